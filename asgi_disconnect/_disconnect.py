@@ -1,0 +1,532 @@
+"""DisconnectMiddleware: run the app decoupled from the client; cancel or detach on disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from ._backends import Backend, MemoryBackend
+from ._log import Generation, Status
+from ._policy import Policy, PolicySource, check_source, resolve_policy, route_policy
+from ._resume import ResumeEndpoints, error_frame, is_event_stream
+from ._state import Counters, RequestState, current_state
+from ._supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["DisconnectMiddleware", "default_principal"]
+
+logger = logging.getLogger("asgi_disconnect")
+
+_DISCONNECT: Message = {"type": "http.disconnect"}
+_GENERATION_HEADER = b"x-generation-id"
+_DIRECT_SEND_LIMIT = 1 << 16
+
+
+def default_principal(scope: Scope) -> str:
+    """A digest of the caller's ``Authorization`` or ``x-api-key`` header; ``""`` if none."""
+    for name, value in scope["headers"]:
+        if name == b"authorization" or name == b"x-api-key":
+            return hashlib.sha256(value).hexdigest()[:32]
+    return ""
+
+
+def _new_generation_id() -> str:
+    return "gen_" + secrets.token_urlsafe(18)
+
+
+def _content_type(headers: list[Any]) -> str | None:
+    for name, value in headers:
+        if name.lower() == b"content-type":
+            return bytes(value).decode("latin-1")
+    return None
+
+
+class DisconnectMiddleware:
+    """Makes a client disconnect a deliberate decision per route: cancel or detach.
+
+    The app runs in a task owned by the middleware's supervisor; its ``send`` appends to
+    the request's generation log and returns at once, and a client writer drains the
+    log to the server. A single reader owns ``receive``. When the client disconnects,
+    or falls more than ``max_lag_bytes`` / ``max_lag_seconds`` behind, the route's
+    policy applies: ``cancel`` cancels the app and closes tracked upstream responses;
+    ``detach`` lets it finish, its output readable under ``resume_prefix``.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        backend: Backend | None = None,
+        policy: PolicySource = Policy.CANCEL,
+        principal: Callable[[Scope], str | None] | None = None,
+        resume_prefix: str | None = "/generations",
+        max_lag_bytes: int = 4 << 20,
+        max_lag_seconds: float = 30.0,
+        shutdown_timeout: float = 30.0,
+    ) -> None:
+        if max_lag_bytes <= 0:
+            raise ValueError("max_lag_bytes must be positive")
+        if max_lag_seconds <= 0:
+            raise ValueError("max_lag_seconds must be positive")
+        if shutdown_timeout < 0:
+            raise ValueError("shutdown_timeout must not be negative")
+        if resume_prefix is not None and (
+            not resume_prefix.startswith("/") or resume_prefix.endswith("/")
+        ):
+            raise ValueError("resume_prefix must start with '/' and not end with '/'")
+        self.app = app
+        if backend is None:
+            logger.warning(
+                "DisconnectMiddleware has no backend: generations are kept in memory only "
+                "and detached output will not survive a restart; pass backend=connect(...)"
+            )
+            backend = MemoryBackend()
+        self.backend = backend
+        self.policy = check_source(policy)
+        self.principal = principal or default_principal
+        self.resume_prefix = resume_prefix
+        self.max_lag_bytes = max_lag_bytes
+        self.max_lag_seconds = max_lag_seconds
+        self.shutdown_timeout = shutdown_timeout
+        self.counters = Counters()
+        self.supervisor = Supervisor()
+        self._resume = ResumeEndpoints(backend, self.principal)
+        self._warned_no_lifespan = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope_type = scope["type"]
+        if scope_type == "http":
+            prefix = self.resume_prefix
+            if prefix is not None and scope["path"].startswith(prefix):
+                rest = scope["path"][len(prefix) :]
+                if rest.startswith("/"):
+                    await self._resume(scope, receive, send, rest)
+                    return
+            await _Exchange(self, scope, receive, send).run()
+        elif scope_type == "lifespan":
+            await self._lifespan(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def lifespan_receive() -> Message:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.backend.open()
+                self.supervisor.start()
+            elif message["type"] == "lifespan.shutdown":
+                # Drain first, so the app's own resources (upstream clients) are still open.
+                await self.supervisor.drain(self.shutdown_timeout)
+                await self.backend.aclose()
+            return message
+
+        await self.app(scope, lifespan_receive, send)
+
+    def resolve(self, scope: Scope) -> Policy:
+        source = route_policy(scope)
+        return resolve_policy(self.policy if source is None else source, scope)
+
+    def owns_detached(self) -> bool:
+        if self.supervisor.started:
+            return True
+        if not self._warned_no_lifespan:
+            self._warned_no_lifespan = True
+            logger.warning(
+                "the ASGI server did not run the lifespan protocol: detached generations "
+                "stay tied to their requests and are not drained at shutdown"
+            )
+        return False
+
+
+class _Exchange:
+    """One HTTP request: the receive reader, the app task and the client writer."""
+
+    __slots__ = (
+        "app_error",
+        "app_task",
+        "client_gone",
+        "end_response",
+        "final_sending",
+        "generation",
+        "inbox",
+        "inbox_waiter",
+        "lag_timer",
+        "loop",
+        "mw",
+        "receive",
+        "request_task",
+        "response_complete",
+        "scope",
+        "send",
+        "send_started",
+        "state",
+        "taken_waiter",
+        "wake_reason",
+        "watching",
+        "woken",
+        "writer",
+    )
+
+    def __init__(self, mw: DisconnectMiddleware, scope: Scope, receive: Receive, send: Send):
+        self.mw = mw
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.loop = asyncio.get_running_loop()
+        self.state = state = RequestState(_new_generation_id())
+        scope["asgi_disconnect"] = state
+        self.generation: Generation | None = None
+        self.inbox: deque[Message] = deque()
+        self.inbox_waiter: asyncio.Future[None] | None = None
+        self.taken_waiter: asyncio.Future[None] | None = None
+        self.request_task: asyncio.Task[Any] | None = None
+        self.app_task: asyncio.Task[None] | None = None
+        self.writer: asyncio.Task[None] | None = None
+        self.lag_timer: asyncio.TimerHandle | None = None
+        self.app_error: BaseException | None = None
+        self.client_gone = False
+        self.response_complete = False
+        self.final_sending = False
+        self.end_response = True
+        self.send_started = 0.0
+        self.watching = False
+        self.woken = False
+        self.wake_reason: str | None = None
+
+    # -- the request task: reads receive, then decides -------------------------------
+
+    async def run(self) -> None:
+        self.request_task = asyncio.current_task()
+        app_task = self.app_task = self.mw.supervisor.spawn(self.run_app())
+        app_task.add_done_callback(self._part_done)
+        try:
+            reason = await self._watch()
+        except asyncio.CancelledError:
+            # The server cancelled the request: the work is the request's, not detached.
+            if not self.state.detached:
+                app_task.cancel()
+            raise
+        if reason == "complete":
+            if self.writer is not None:
+                await asyncio.wait((self.writer,))
+            await asyncio.wait((app_task,))
+        elif reason != "done":
+            await self._client_lost(reason)
+            if not app_task.done():
+                return
+        error = self.app_error
+        if error is not None and not self.state.detached:
+            self.app_error = None
+            raise error
+
+    async def _watch(self) -> str:
+        receive = self.receive
+        self.watching = True
+        try:
+            while True:
+                message = await receive()
+                kind = message["type"]
+                if kind == "http.request":
+                    self.inbox.append(message)
+                    waiter = self.inbox_waiter
+                    if waiter is not None:
+                        self.inbox_waiter = None
+                        if not waiter.done():
+                            waiter.set_result(None)
+                    if message.get("more_body", False) and self.inbox:
+                        # Read the next part only once the app took this one: keep backpressure.
+                        self.taken_waiter = self.loop.create_future()
+                        await self.taken_waiter
+                elif kind == "http.disconnect":
+                    if self.response_complete or self.final_sending:
+                        return "complete"
+                    return "client"
+        except asyncio.CancelledError:
+            if not self.woken:
+                raise
+            self.woken = False
+            task = self.request_task
+            if task is not None and task.uncancel() > 0:
+                raise
+            assert self.wake_reason is not None
+            return self.wake_reason
+        finally:
+            self.watching = False
+
+    def _wake(self, reason: str) -> None:
+        """Stop the request task's read of ``receive`` and tell it why."""
+        if self.wake_reason is None:
+            self.wake_reason = reason
+        if self.watching and not self.woken and self.request_task is not None:
+            self.woken = True
+            self.request_task.cancel()
+
+    def _part_done(self, _: asyncio.Task[Any]) -> None:
+        app_task = self.app_task
+        writer = self.writer
+        if app_task is not None and app_task.done() and (writer is None or writer.done()):
+            self._wake("complete" if self.response_complete else "done")
+
+    async def _client_lost(self, reason: str) -> None:
+        mw = self.mw
+        state = self.state
+        self.client_gone = True
+        state.disconnect_reason = reason
+        state.disconnected.set()
+        mw.counters.disconnects += 1
+        self._stop_writer()
+        app_task = self.app_task
+        assert app_task is not None
+        if app_task.done():
+            return
+        policy = state.policy = mw.resolve(self.scope)
+        generation = self.generation
+        if generation is not None:
+            generation.policy = policy.value
+        if policy is Policy.CANCEL:
+            mw.counters.cancelled += 1
+            app_task.cancel()
+            waiter = self.inbox_waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            if state.upstreams:
+                await _shielded(state.close_upstreams())
+            await asyncio.wait((app_task,))
+            return
+        mw.counters.detached += 1
+        state.detached = True
+        if generation is not None:
+            generation.detached = True
+        if not mw.owns_detached():
+            await asyncio.wait((app_task,))
+
+    # -- the app task ---------------------------------------------------------------
+
+    async def run_app(self) -> None:
+        current_state.set(self.state)
+        try:
+            await self.mw.app(self.scope, self.app_receive, self.app_send)
+        except asyncio.CancelledError:
+            self._record_end(
+                Status.CANCELLED if self.state.policy is Policy.CANCEL else Status.INTERRUPTED,
+                "cancelled after the client disconnected"
+                if self.state.policy is Policy.CANCEL
+                else "interrupted before it finished",
+            )
+            raise
+        except BaseException as exc:
+            self._failed(exc)
+            if self.state.detached:
+                logger.error("detached generation %s failed", self.state.generation_id, exc_info=exc)
+            else:
+                self.app_error = exc
+        else:
+            generation = self.generation
+            if generation is not None and generation.running:
+                self._record_end(Status.FAILED, "the app returned before its response was complete")
+        finally:
+            if self.state.detached and self.generation is not None:
+                if self.generation.status is Status.COMPLETE:
+                    self.mw.counters.detach_completed += 1
+
+    def _record_end(self, status: Status, error: str) -> None:
+        generation = self.generation
+        if generation is None or not generation.running:
+            return
+        if status is Status.FAILED and is_event_stream(generation.content_type):
+            generation.append(error_frame(generation.id, "incomplete_response", error))
+        generation.finish(status, error)
+
+    def _failed(self, exc: BaseException) -> None:
+        generation = self.generation
+        if generation is None or not generation.running:
+            return
+        code = getattr(exc, "error_type", "stream_error")
+        if is_event_stream(generation.content_type):
+            generation.append(
+                error_frame(generation.id, str(code), "The stream failed after it started.")
+            )
+        else:
+            self.end_response = False
+        generation.finish(Status.FAILED, f"{type(exc).__name__}: {exc}"[:500])
+        if not self.client_gone and self.end_response and self.writer is None:
+            self.writer = self.loop.create_task(self._write_loop())
+            self.writer.add_done_callback(self._part_done)
+
+    async def app_receive(self) -> Message:
+        while True:
+            inbox = self.inbox
+            if inbox:
+                message = inbox.popleft()
+                waiter = self.taken_waiter
+                if waiter is not None:
+                    self.taken_waiter = None
+                    if not waiter.done():
+                        waiter.set_result(None)
+                return message
+            if self.response_complete or (self.client_gone and not self.state.detached):
+                return _DISCONNECT
+            # Under detach the app never hears of the disconnect: it would stop itself.
+            waiter = self.inbox_waiter = self.loop.create_future()
+            await waiter
+
+    async def app_send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.body":
+            generation = self.generation
+            if generation is None:
+                raise RuntimeError("ASGI message 'http.response.body' sent before 'http.response.start'")
+            body = message.get("body", b"")
+            more_body = message.get("more_body", False)
+            if body:
+                generation.append(body)
+            if not more_body:
+                if not generation.finish(Status.COMPLETE):
+                    raise RuntimeError("ASGI message 'http.response.body' sent after the response ended")
+            if self.client_gone:
+                return
+            if self.writer is None:
+                if not more_body and generation.chunk_count <= 1:
+                    await self._send_whole(body)
+                    return
+                self.writer = self.loop.create_task(self._write_loop())
+                self.writer.add_done_callback(self._part_done)
+            elif generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
+                self._wake("lag")
+            return
+        if kind == "http.response.start":
+            await self._start(message)
+            return
+        if not self.client_gone:
+            await self.send(message)
+
+    async def _start(self, message: Message) -> None:
+        if self.generation is not None:
+            raise RuntimeError("ASGI message 'http.response.start' sent twice")
+        headers = list(message.get("headers", ()))
+        state = self.state
+        generation = Generation(
+            state.generation_id,
+            principal=self.mw.principal(self.scope) or "",
+            status_code=message["status"],
+            content_type=_content_type(headers),
+        )
+        if state.policy is not None:
+            generation.policy = state.policy.value
+            generation.detached = state.detached
+        self.generation = state.generation = generation
+        self.mw.backend.register(generation)
+        if self.client_gone:
+            return
+        headers.append((_GENERATION_HEADER, state.generation_id.encode()))
+        await self._send_client({**message, "headers": headers})
+
+    async def _send_client(self, message: Message) -> bool:
+        try:
+            await self.send(message)
+        except OSError:
+            # Servers at ASGI spec 2.4+ raise OSError when the client is gone.
+            self.client_gone = True
+            self._wake("client")
+            return False
+        return True
+
+    async def _send_whole(self, body: bytes) -> None:
+        self.final_sending = True
+        message = {"type": "http.response.body", "body": body, "more_body": False}
+        if len(body) <= _DIRECT_SEND_LIMIT:
+            sent = await self._send_client(message)
+        else:
+            try:
+                async with asyncio.timeout(self.mw.max_lag_seconds):
+                    sent = await self._send_client(message)
+            except TimeoutError:
+                self.final_sending = False
+                self._wake("lag")
+                return
+        if sent:
+            self.state.delivered_bytes += len(body)
+            self.response_complete = True
+
+    # -- the client writer ----------------------------------------------------------
+
+    def _stop_writer(self) -> None:
+        writer = self.writer
+        if writer is not None and not writer.done():
+            writer.cancel()
+        if self.lag_timer is not None:
+            self.lag_timer.cancel()
+            self.lag_timer = None
+
+    def _check_lag(self) -> None:
+        if self.writer is None or self.writer.done():
+            self.lag_timer = None
+            return
+        limit = self.mw.max_lag_seconds
+        if self.send_started and self.loop.time() - self.send_started > limit:
+            self.lag_timer = None
+            self._wake("lag")
+            return
+        self.lag_timer = self.loop.call_later(limit / 2, self._check_lag)
+
+    async def _write_loop(self) -> None:
+        generation = self.generation
+        assert generation is not None
+        send = self.send
+        state = self.state
+        loop = self.loop
+        index = 0
+        self.lag_timer = loop.call_later(self.mw.max_lag_seconds / 2, self._check_lag)
+        try:
+            while True:
+                count = generation.chunk_count
+                ended = not generation.running
+                if index < count:
+                    chunks = generation.chunks_from(index)
+                    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                    index = count
+                elif ended:
+                    body = b""
+                else:
+                    await generation.changed()
+                    continue
+                final = ended and self.end_response
+                if ended and not final and not body:
+                    return
+                if final:
+                    self.final_sending = True
+                self.send_started = loop.time()
+                await send({"type": "http.response.body", "body": body, "more_body": not final})
+                self.send_started = 0.0
+                state.delivered_bytes += len(body)
+                if final:
+                    self.response_complete = True
+                    return
+        except OSError:
+            self.client_gone = True
+            self._wake("client")
+        finally:
+            if self.lag_timer is not None:
+                self.lag_timer.cancel()
+                self.lag_timer = None
+
+
+async def _shielded(coro: Any) -> None:
+    """Run ``coro`` to the end even if the caller is cancelled meanwhile."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError

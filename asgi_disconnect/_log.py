@@ -1,0 +1,176 @@
+"""The generation log: a response's bytes in the order the app produced them."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from bisect import bisect_right
+from collections.abc import AsyncIterator
+
+import msgspec
+
+__all__ = ["Generation", "GenerationInfo", "Status"]
+
+
+class Status(str, enum.Enum):
+    RUNNING = "running"
+    COMPLETE = "complete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    INTERRUPTED = "interrupted"
+
+
+class GenerationInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``GET {resume_prefix}/{id}`` reports about a generation."""
+
+    id: str
+    status: Status
+    policy: str | None
+    size: int
+    status_code: int
+    content_type: str | None
+    created_at: float
+    finished_at: float | None
+    detached: bool
+    error: str | None
+
+
+_READ_LIMIT = 1 << 20
+
+
+class Generation:
+    """One response's output, appended by the producer and read by any number of followers.
+
+    Appending never waits: followers (the client writer, resume readers, a backend
+    flusher) are woken and read at their own pace.
+    """
+
+    __slots__ = (
+        "_chunks",
+        "_ends",
+        "_waiters",
+        "content_type",
+        "created_at",
+        "detached",
+        "error",
+        "finished_at",
+        "id",
+        "policy",
+        "principal",
+        "size",
+        "status",
+        "status_code",
+    )
+
+    def __init__(
+        self,
+        generation_id: str,
+        *,
+        principal: str,
+        status_code: int = 200,
+        content_type: str | None = None,
+    ) -> None:
+        self.id = generation_id
+        self.principal = principal
+        self.status_code = status_code
+        self.content_type = content_type
+        self.created_at = time.time()
+        self.finished_at: float | None = None
+        self.status = Status.RUNNING
+        self.policy: str | None = None
+        self.detached = False
+        self.error: str | None = None
+        self.size = 0
+        self._chunks: list[bytes] = []
+        self._ends: list[int] = []
+        self._waiters: list[asyncio.Future[None]] = []
+
+    @property
+    def running(self) -> bool:
+        return self.status is Status.RUNNING
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self._chunks)
+
+    def append(self, data: bytes) -> None:
+        if self.status is not Status.RUNNING:
+            raise RuntimeError(f"generation {self.id} is {self.status.value}; it takes no more output")
+        self.size += len(data)
+        self._chunks.append(data)
+        self._ends.append(self.size)
+        if self._waiters:
+            self._wake()
+
+    def finish(self, status: Status, error: str | None = None) -> bool:
+        """Record the final status once; later calls are ignored and return False."""
+        if self.status is not Status.RUNNING:
+            return False
+        self.status = status
+        self.error = error
+        self.finished_at = time.time()
+        self._wake()
+        return True
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def changed(self) -> asyncio.Future[None]:
+        """A future of the caller's own, resolved at the next append or finish."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.status is Status.RUNNING:
+            self._waiters.append(waiter)
+        else:
+            waiter.set_result(None)
+        return waiter
+
+    def chunks_from(self, index: int) -> list[bytes]:
+        """The chunks from ``index`` on, as the producer appended them."""
+        return self._chunks[index:]
+
+    def read(self, offset: int, limit: int = _READ_LIMIT) -> bytes:
+        """Up to about ``limit`` bytes starting at byte ``offset``."""
+        if offset >= self.size:
+            return b""
+        index = bisect_right(self._ends, offset)
+        start = self._ends[index - 1] if index else 0
+        first = self._chunks[index][offset - start :]
+        parts = [first]
+        total = len(first)
+        index += 1
+        while index < len(self._chunks) and total < limit:
+            chunk = self._chunks[index]
+            parts.append(chunk)
+            total += len(chunk)
+            index += 1
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def follow(self, offset: int) -> AsyncIterator[bytes]:
+        """The bytes from ``offset``, then live until the generation ends."""
+        while True:
+            data = self.read(offset)
+            if data:
+                offset += len(data)
+                yield data
+                continue
+            if self.status is not Status.RUNNING:
+                return
+            await self.changed()
+
+    def info(self) -> GenerationInfo:
+        return GenerationInfo(
+            id=self.id,
+            status=self.status,
+            policy=self.policy,
+            size=self.size,
+            status_code=self.status_code,
+            content_type=self.content_type,
+            created_at=self.created_at,
+            finished_at=self.finished_at,
+            detached=self.detached,
+            error=self.error,
+        )

@@ -1,0 +1,78 @@
+"""Disconnect policies and the per-route decorator."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+if TYPE_CHECKING:
+    from starlette.types import Scope
+
+__all__ = ["Policy", "PolicyLike", "PolicySource", "disconnect_policy"]
+
+
+class Policy(str, enum.Enum):
+    """What happens to a request's work when its client goes away."""
+
+    CANCEL = "cancel"
+    """Cancel the work at once: upstream sockets close, the provider stops billing."""
+
+    DETACH = "detach"
+    """Keep generating, owned by the process; the output stays resumable by id."""
+
+
+PolicyLike = Policy | Literal["cancel", "detach"]
+PolicySource = PolicyLike | Callable[["Scope"], PolicyLike]
+
+POLICY_ATTRIBUTE = "__asgi_disconnect_policy__"
+
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+def coerce_policy(value: object) -> Policy:
+    try:
+        return Policy(value)
+    except ValueError:
+        raise ValueError(
+            f"disconnect policy must be 'cancel' or 'detach', not {value!r}"
+        ) from None
+
+
+def check_source(source: PolicySource) -> PolicySource:
+    """Validate a constant policy now; a callable is checked each time it answers."""
+    return source if callable(source) else coerce_policy(source)
+
+
+def disconnect_policy(policy: PolicySource) -> Callable[[_F], _F]:
+    """Choose the disconnect policy of an endpoint.
+
+    ``policy`` is ``"cancel"``, ``"detach"`` or a callable ``(scope) -> policy`` that is
+    called once, when the client disconnects, so it can read tenant configuration or the
+    request's progress (``scope["asgi_disconnect"]``).
+    """
+    source = check_source(policy)
+
+    def decorate(endpoint: _F) -> _F:
+        setattr(endpoint, POLICY_ATTRIBUTE, source)
+        return endpoint
+
+    return decorate
+
+
+def route_policy(scope: Scope) -> PolicySource | None:
+    """The policy declared on the routed endpoint, if routing has happened."""
+    endpoint = scope.get("endpoint")
+    source = getattr(endpoint, POLICY_ATTRIBUTE, None)
+    if source is None:
+        route = scope.get("route")
+        source = getattr(getattr(route, "endpoint", None), POLICY_ATTRIBUTE, None)
+    return source  # type: ignore[no-any-return]
+
+
+def resolve_policy(source: PolicySource, scope: Scope) -> Policy:
+    if isinstance(source, Policy):
+        return source
+    if callable(source):
+        return coerce_policy(source(scope))
+    return coerce_policy(source)

@@ -1,0 +1,156 @@
+"""The resume endpoints: a generation's status, and its bytes from an offset, live."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl
+
+import anyio
+import msgspec
+
+from ._log import GenerationInfo, Status
+from ._problem import send_problem
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from starlette.types import Receive, Scope, Send
+
+    from ._backends import Backend
+
+__all__ = ["ResumeEndpoints", "error_frame", "is_event_stream"]
+
+_ID = re.compile(r"gen_[A-Za-z0-9_-]{24}")
+_encode = msgspec.json.Encoder().encode
+_ENDINGS = {
+    Status.CANCELLED: ("cancelled", "The generation was cancelled after its client disconnected."),
+    Status.INTERRUPTED: ("interrupted", "The generation was interrupted before it finished."),
+}
+
+
+def is_event_stream(content_type: str | None) -> bool:
+    return content_type is not None and content_type.lower().startswith("text/event-stream")
+
+
+def error_frame(generation_id: str, code: str, message: str) -> bytes:
+    """The SSE ``event: error`` frame that marks a stream that did not complete."""
+    payload = _encode({"error": {"type": code, "message": message, "generation_id": generation_id}})
+    return b"event: error\ndata: " + payload + b"\n\n"
+
+
+def _info_json(info: GenerationInfo) -> bytes:
+    return msgspec.json.encode(info)
+
+
+class ResumeEndpoints:
+    """``GET {prefix}/{id}`` and ``GET {prefix}/{id}/stream?offset=N``."""
+
+    def __init__(self, backend: Backend, principal: Callable[[Scope], str | None]) -> None:
+        self.backend = backend
+        self.principal = principal
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, rest: str) -> None:
+        generation_id, _, action = rest[1:].partition("/")
+        if action not in ("", "stream") or not _ID.fullmatch(generation_id):
+            await send_problem(send, 404, "not-found", "Not Found", "No such resource.")
+            return
+        if scope["method"] not in ("GET", "HEAD"):
+            await send_problem(
+                send, 405, "method-not-allowed", "Method Not Allowed",
+                f"{scope['method']} is not allowed here; use GET.",
+                headers=[(b"allow", b"GET, HEAD")],
+            )
+            return
+        owner = await self.backend.principal_of(generation_id)
+        if owner is None or owner != (self.principal(scope) or ""):
+            # Another caller's generation is indistinguishable from a missing one.
+            await send_problem(
+                send, 404, "generation-not-found", "Generation Not Found",
+                f"No generation {generation_id} is readable by this caller.",
+            )
+            return
+        info = await self.backend.get(generation_id)
+        if info is None:
+            await send_problem(
+                send, 404, "generation-not-found", "Generation Not Found",
+                f"No generation {generation_id} is readable by this caller.",
+            )
+            return
+        if action == "":
+            body = _info_json(info)
+            await send({
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"cache-control", b"no-store"),
+                ],
+            })
+            await send({"type": "http.response.body", "body": body if scope["method"] == "GET" else b""})
+            return
+        await self._stream(scope, receive, send, info)
+
+    async def _stream(self, scope: Scope, receive: Receive, send: Send, info: GenerationInfo) -> None:
+        offset = _parse_offset(scope.get("query_string", b""))
+        if offset is None:
+            await send_problem(
+                send, 400, "invalid-offset", "Invalid Offset",
+                "offset must be a non-negative integer number of bytes.",
+            )
+            return
+        if offset > info.size:
+            await send_problem(
+                send, 416, "offset-out-of-range", "Offset Out Of Range",
+                f"offset {offset} is past the {info.size} bytes produced so far.",
+                headers=[(b"content-range", f"bytes */{info.size}".encode())],
+            )
+            return
+        await send({
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", (info.content_type or "application/octet-stream").encode("latin-1")),
+                (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no"),
+                (b"x-generation-id", info.id.encode()),
+                (b"x-generation-offset", str(offset).encode()),
+            ],
+        })
+        if scope["method"] == "HEAD":
+            await send({"type": "http.response.body", "body": b""})
+            return
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch_disconnect)
+            async for data in self.backend.follow(info.id, offset):
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            final = await self.backend.get(info.id)
+            tail = b""
+            if final is not None and final.status in _ENDINGS and is_event_stream(final.content_type):
+                code, message = _ENDINGS[final.status]
+                tail = error_frame(final.id, code, message)
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            tg.cancel_scope.cancel()
+
+
+def _parse_offset(query_string: bytes) -> int | None:
+    try:
+        pairs = parse_qsl(query_string.decode("latin-1"), keep_blank_values=True, strict_parsing=False)
+    except ValueError:
+        return None
+    values = [value for name, value in pairs if name == "offset"]
+    if not values:
+        return 0
+    if len(values) > 1:
+        return None
+    value = values[0]
+    if not value.isascii() or not value.isdigit() or len(value) > 18:
+        return None
+    return int(value)

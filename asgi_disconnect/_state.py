@@ -1,0 +1,82 @@
+"""The per-request state shared by the middlewares at ``scope["asgi_disconnect"]``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ._log import Generation
+    from ._policy import Policy
+
+__all__ = ["Closable", "Counters", "RequestState", "current_state"]
+
+logger = logging.getLogger("asgi_disconnect")
+
+
+class Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+class RequestState:
+    """What the middlewares know about one request; read it, don't replace it."""
+
+    __slots__ = (
+        "delivered_bytes",
+        "detached",
+        "disconnect_reason",
+        "disconnected",
+        "generation",
+        "generation_id",
+        "policy",
+        "principal",
+        "upstreams",
+    )
+
+    def __init__(self, generation_id: str) -> None:
+        self.generation_id = generation_id
+        self.generation: Generation | None = None
+        self.principal: str | None = None
+        self.policy: Policy | None = None
+        self.detached = False
+        self.disconnected = asyncio.Event()
+        self.disconnect_reason: str | None = None
+        self.delivered_bytes = 0
+        self.upstreams: list[Closable] = []
+
+    @property
+    def produced_bytes(self) -> int:
+        generation = self.generation
+        return 0 if generation is None else generation.size
+
+    def track(self, upstream: Closable) -> None:
+        self.upstreams.append(upstream)
+
+    async def close_upstreams(self) -> None:
+        """Close every tracked upstream response; errors are logged, never raised."""
+        upstreams, self.upstreams = self.upstreams, []
+        for upstream in upstreams:
+            try:
+                await upstream.aclose()
+            except Exception:
+                logger.warning("closing an upstream response failed", exc_info=True)
+
+
+current_state: ContextVar[RequestState | None] = ContextVar("asgi_disconnect_state", default=None)
+
+
+class Counters:
+    """In-process counts of disconnect decisions."""
+
+    __slots__ = ("cancelled", "detach_completed", "detached", "disconnects")
+
+    def __init__(self) -> None:
+        self.disconnects = 0
+        self.cancelled = 0
+        self.detached = 0
+        self.detach_completed = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
