@@ -216,8 +216,8 @@ class _Exchange:
             raise
         if reason == "complete":
             if self.writer is not None:
-                await asyncio.wait((self.writer,))
-            await asyncio.wait((app_task,))
+                await _join(self.writer)
+            await _join(app_task)
         elif reason != "done":
             await self._client_lost(reason)
             if not app_task.done():
@@ -299,14 +299,14 @@ class _Exchange:
                 waiter.set_result(None)
             if state.upstreams:
                 await _shielded(state.close_upstreams())
-            await asyncio.wait((app_task,))
+            await _join(app_task)
             return
         mw.counters.detached += 1
         state.detached = True
         if generation is not None:
             generation.detached = True
         if not mw.owns_detached():
-            await asyncio.wait((app_task,))
+            await _join(app_task)
 
     # -- the app task ---------------------------------------------------------------
 
@@ -517,6 +517,18 @@ class _Exchange:
             if self.lag_timer is not None:
                 self.lag_timer.cancel()
                 self.lag_timer = None
+
+
+async def _join(task: asyncio.Task[Any]) -> None:
+    """Wait for ``task`` to end, however it ends; raise only if we are cancelled."""
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if not task.cancelled() or (current is not None and current.cancelling()):
+            raise
+    except Exception:
+        pass
 
 
 async def _shielded(coro: Any) -> None:

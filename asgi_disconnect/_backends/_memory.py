@@ -15,24 +15,22 @@ __all__ = ["MemoryBackend"]
 
 
 class MemoryBackend:
-    """Keeps generations in this process until ``ttl`` after they end.
+    """Keeps generations in this process until ``ttl`` seconds after they end.
 
-    Finished generations are also evicted oldest first once the stored bytes pass
-    ``max_bytes``; running ones are never evicted.
+    At most ``max_generations`` are kept: past that, finished ones are evicted oldest
+    first. Running generations are never evicted.
     """
 
     url = "memory://"
 
-    def __init__(self, *, ttl: float = 3600.0, max_bytes: int = 256 << 20) -> None:
+    def __init__(self, *, ttl: float = 3600.0, max_generations: int = 10_000) -> None:
         if ttl <= 0:
             raise ValueError("ttl must be positive")
-        if max_bytes <= 0:
-            raise ValueError("max_bytes must be positive")
+        if max_generations <= 0:
+            raise ValueError("max_generations must be positive")
         self._ttl = ttl
-        self._max_bytes = max_bytes
+        self._max = max_generations
         self._generations: OrderedDict[str, Generation] = OrderedDict()
-        self._stored = 0
-        self._registered = 0
 
     async def open(self) -> None:
         return None
@@ -40,33 +38,28 @@ class MemoryBackend:
     async def aclose(self) -> None:
         return None
 
+    def __len__(self) -> int:
+        return len(self._generations)
+
     def register(self, generation: Generation) -> None:
-        self._generations[generation.id] = generation
-        self._registered += 1
-        if self._registered & 0xFF == 0:
+        generations = self._generations
+        generations[generation.id] = generation
+        if len(generations) > self._max:
             self._evict()
 
     def _evict(self) -> None:
-        now = time.time()
-        stored = 0
-        expired: list[str] = []
-        for generation in self._generations.values():
+        generations = self._generations
+        deadline = time.time() - self._ttl
+        # Running generations met at the front are moved back, so each sweep is O(evicted).
+        for _ in range(len(generations)):
+            generation = next(iter(generations.values()))
             finished = generation.finished_at
-            if finished is not None and now - finished > self._ttl:
-                expired.append(generation.id)
-            else:
-                stored += generation.size
-        for generation_id in expired:
-            del self._generations[generation_id]
-        if stored > self._max_bytes:
-            for generation_id, generation in list(self._generations.items()):
-                if generation.finished_at is None:
-                    continue
-                del self._generations[generation_id]
-                stored -= generation.size
-                if stored <= self._max_bytes:
-                    break
-        self._stored = stored
+            if finished is None:
+                generations.move_to_end(generation.id)
+                continue
+            if len(generations) <= self._max and finished > deadline:
+                return
+            del generations[generation.id]
 
     def _live(self, generation_id: str) -> Generation | None:
         generation = self._generations.get(generation_id)

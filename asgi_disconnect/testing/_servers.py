@@ -55,8 +55,12 @@ def run_server(
         import uvicorn
 
         config = uvicorn.Config(
-            app, host=host, port=port, lifespan="on" if lifespan else "off",
-            log_level="warning", **options,
+            app,
+            host=host,
+            port=port,
+            lifespan="on" if lifespan else "off",
+            log_level="warning",
+            **options,
         )
         uv = uvicorn.Server(config)
 

@@ -1,0 +1,76 @@
+"""Apps shared by the tests: small, with hooks that record what the app saw."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from asgi_disconnect import disconnect_policy
+
+
+@dataclass
+class Probe:
+    """What a test app observed, with events to wait on."""
+
+    chunks_produced: int = 0
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    saw_disconnect: bool = False
+
+
+def sse_app(probe: Probe, *, chunks: int = 50, delay: float = 0.01, size: int = 16) -> Starlette:
+    """``/cancel`` and ``/detach`` stream ``chunks`` SSE events, ``delay`` apart."""
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            for i in range(chunks):
+                probe.chunks_produced += 1
+                yield f"data: {i:0{size}d}\n\n".encode()
+                await asyncio.sleep(delay)
+            probe.finished.set()
+        except asyncio.CancelledError:
+            probe.cancelled.set()
+            raise
+
+    async def cancel(request: Request) -> StreamingResponse:
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @disconnect_policy("detach")
+    async def detach(request: Request) -> StreamingResponse:
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def slow_json(request: Request) -> JSONResponse:
+        try:
+            await asyncio.sleep(delay * chunks)
+        except asyncio.CancelledError:
+            probe.cancelled.set()
+            raise
+        probe.finished.set()
+        return JSONResponse({"done": True})
+
+    @disconnect_policy("detach")
+    async def slow_json_detach(request: Request) -> JSONResponse:
+        return await slow_json(request)
+
+    async def json(request: Request) -> JSONResponse:
+        return JSONResponse({"ok": True})
+
+    async def echo(request: Request) -> Response:
+        return Response(await request.body(), media_type="application/octet-stream")
+
+    return Starlette(
+        routes=[
+            Route("/cancel", cancel),
+            Route("/detach", detach),
+            Route("/slow-json", slow_json),
+            Route("/slow-json-detach", slow_json_detach),
+            Route("/json", json),
+            Route("/echo", echo, methods=["POST"]),
+        ]
+    )
