@@ -1,8 +1,31 @@
-"""Test helpers: drive apps with clients that disconnect, and a fake LLM provider."""
+"""Test helpers: drive apps with clients that disconnect, and a fake LLM provider.
+
+- :func:`drive` calls an ASGI app in-process with a client that disconnects after N
+  bytes or T seconds, or stops reading; :func:`lifespan` runs its startup/shutdown.
+- :func:`run_server` serves an app with uvicorn or hypercorn on loopback.
+- :func:`request` and :func:`stalled_request` are raw-socket HTTP/1.1 clients that close
+  mid-stream, or keep the socket open without reading.
+- :class:`FakeProvider` streams OpenAI-chat and Anthropic-messages SSE over real TCP and
+  records, per request, how many tokens it generated before its connection closed.
+"""
 
 from __future__ import annotations
 
 from ._driver import DriveResult, drive, lifespan
+from ._fake_provider import FakeProvider, ProviderRequest
 from ._servers import RunningServer, run_server
+from ._socket_client import ClientResult, StalledClient, request, stalled_request
 
-__all__ = ["DriveResult", "RunningServer", "drive", "lifespan", "run_server"]
+__all__ = [
+    "ClientResult",
+    "DriveResult",
+    "FakeProvider",
+    "ProviderRequest",
+    "RunningServer",
+    "StalledClient",
+    "drive",
+    "lifespan",
+    "request",
+    "run_server",
+    "stalled_request",
+]
