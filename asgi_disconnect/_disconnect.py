@@ -325,7 +325,9 @@ class _Exchange:
         except BaseException as exc:
             self._failed(exc)
             if self.state.detached:
-                logger.error("detached generation %s failed", self.state.generation_id, exc_info=exc)
+                logger.error(
+                    "detached generation %s failed", self.state.generation_id, exc_info=exc
+                )
             else:
                 self.app_error = exc
         else:
@@ -333,9 +335,13 @@ class _Exchange:
             if generation is not None and generation.running:
                 self._record_end(Status.FAILED, "the app returned before its response was complete")
         finally:
-            if self.state.detached and self.generation is not None:
-                if self.generation.status is Status.COMPLETE:
-                    self.mw.counters.detach_completed += 1
+            generation = self.generation
+            if (
+                self.state.detached
+                and generation is not None
+                and generation.status is Status.COMPLETE
+            ):
+                self.mw.counters.detach_completed += 1
 
     def _record_end(self, status: Status, error: str) -> None:
         generation = self.generation
@@ -383,14 +389,17 @@ class _Exchange:
         if kind == "http.response.body":
             generation = self.generation
             if generation is None:
-                raise RuntimeError("ASGI message 'http.response.body' sent before 'http.response.start'")
+                raise RuntimeError(
+                    "ASGI message 'http.response.body' sent before 'http.response.start'"
+                )
             body = message.get("body", b"")
             more_body = message.get("more_body", False)
             if body:
                 generation.append(body)
-            if not more_body:
-                if not generation.finish(Status.COMPLETE):
-                    raise RuntimeError("ASGI message 'http.response.body' sent after the response ended")
+            if not more_body and not generation.finish(Status.COMPLETE):
+                raise RuntimeError(
+                    "ASGI message 'http.response.body' sent after the response ended"
+                )
             if self.client_gone:
                 return
             if self.writer is None:

@@ -6,14 +6,17 @@ import asyncio
 import enum
 import time
 from bisect import bisect_right
-from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 __all__ = ["Generation", "GenerationInfo", "Status"]
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     RUNNING = "running"
     COMPLETE = "complete"
     FAILED = "failed"
@@ -96,7 +99,9 @@ class Generation:
 
     def append(self, data: bytes) -> None:
         if self.status is not Status.RUNNING:
-            raise RuntimeError(f"generation {self.id} is {self.status.value}; it takes no more output")
+            raise RuntimeError(
+                f"generation {self.id} is {self.status.value}; it takes no more output"
+            )
         self.size += len(data)
         self._chunks.append(data)
         self._ends.append(self.size)

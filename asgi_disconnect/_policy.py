@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 __all__ = ["Policy", "PolicyLike", "PolicySource", "disconnect_policy"]
 
 
-class Policy(str, enum.Enum):
+class Policy(enum.StrEnum):
     """What happens to a request's work when its client goes away."""
 
     CANCEL = "cancel"
@@ -32,11 +32,9 @@ _F = TypeVar("_F", bound=Callable[..., object])
 
 def coerce_policy(value: object) -> Policy:
     try:
-        return Policy(value)
+        return Policy(value)  # type: ignore[arg-type]
     except ValueError:
-        raise ValueError(
-            f"disconnect policy must be 'cancel' or 'detach', not {value!r}"
-        ) from None
+        raise ValueError(f"disconnect policy must be 'cancel' or 'detach', not {value!r}") from None
 
 
 def check_source(source: PolicySource) -> PolicySource:
@@ -67,7 +65,7 @@ def route_policy(scope: Scope) -> PolicySource | None:
     if source is None:
         route = scope.get("route")
         source = getattr(getattr(route, "endpoint", None), POLICY_ATTRIBUTE, None)
-    return source  # type: ignore[no-any-return]
+    return source
 
 
 def resolve_policy(source: PolicySource, scope: Scope) -> Policy:

@@ -57,7 +57,10 @@ class ResumeEndpoints:
             return
         if scope["method"] not in ("GET", "HEAD"):
             await send_problem(
-                send, 405, "method-not-allowed", "Method Not Allowed",
+                send,
+                405,
+                "method-not-allowed",
+                "Method Not Allowed",
                 f"{scope['method']} is not allowed here; use GET.",
                 headers=[(b"allow", b"GET, HEAD")],
             )
@@ -66,58 +69,81 @@ class ResumeEndpoints:
         if owner is None or owner != (self.principal(scope) or ""):
             # Another caller's generation is indistinguishable from a missing one.
             await send_problem(
-                send, 404, "generation-not-found", "Generation Not Found",
+                send,
+                404,
+                "generation-not-found",
+                "Generation Not Found",
                 f"No generation {generation_id} is readable by this caller.",
             )
             return
         info = await self.backend.get(generation_id)
         if info is None:
             await send_problem(
-                send, 404, "generation-not-found", "Generation Not Found",
+                send,
+                404,
+                "generation-not-found",
+                "Generation Not Found",
                 f"No generation {generation_id} is readable by this caller.",
             )
             return
         if action == "":
             body = _info_json(info)
-            await send({
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"cache-control", b"no-store"),
-                ],
-            })
-            await send({"type": "http.response.body", "body": body if scope["method"] == "GET" else b""})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"cache-control", b"no-store"),
+                    ],
+                }
+            )
+            await send(
+                {"type": "http.response.body", "body": body if scope["method"] == "GET" else b""}
+            )
             return
         await self._stream(scope, receive, send, info)
 
-    async def _stream(self, scope: Scope, receive: Receive, send: Send, info: GenerationInfo) -> None:
+    async def _stream(
+        self, scope: Scope, receive: Receive, send: Send, info: GenerationInfo
+    ) -> None:
         offset = _parse_offset(scope.get("query_string", b""))
         if offset is None:
             await send_problem(
-                send, 400, "invalid-offset", "Invalid Offset",
+                send,
+                400,
+                "invalid-offset",
+                "Invalid Offset",
                 "offset must be a non-negative integer number of bytes.",
             )
             return
         if offset > info.size:
             await send_problem(
-                send, 416, "offset-out-of-range", "Offset Out Of Range",
+                send,
+                416,
+                "offset-out-of-range",
+                "Offset Out Of Range",
                 f"offset {offset} is past the {info.size} bytes produced so far.",
                 headers=[(b"content-range", f"bytes */{info.size}".encode())],
             )
             return
-        await send({
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [
-                (b"content-type", (info.content_type or "application/octet-stream").encode("latin-1")),
-                (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no"),
-                (b"x-generation-id", info.id.encode()),
-                (b"x-generation-offset", str(offset).encode()),
-            ],
-        })
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (
+                        b"content-type",
+                        (info.content_type or "application/octet-stream").encode("latin-1"),
+                    ),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                    (b"x-generation-id", info.id.encode()),
+                    (b"x-generation-offset", str(offset).encode()),
+                ],
+            }
+        )
         if scope["method"] == "HEAD":
             await send({"type": "http.response.body", "body": b""})
             return
@@ -133,7 +159,11 @@ class ResumeEndpoints:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             final = await self.backend.get(info.id)
             tail = b""
-            if final is not None and final.status in _ENDINGS and is_event_stream(final.content_type):
+            if (
+                final is not None
+                and final.status in _ENDINGS
+                and is_event_stream(final.content_type)
+            ):
                 code, message = _ENDINGS[final.status]
                 tail = error_frame(final.id, code, message)
             await send({"type": "http.response.body", "body": tail, "more_body": False})
@@ -142,7 +172,9 @@ class ResumeEndpoints:
 
 def _parse_offset(query_string: bytes) -> int | None:
     try:
-        pairs = parse_qsl(query_string.decode("latin-1"), keep_blank_values=True, strict_parsing=False)
+        pairs = parse_qsl(
+            query_string.decode("latin-1"), keep_blank_values=True, strict_parsing=False
+        )
     except ValueError:
         return None
     values = [value for name, value in pairs if name == "offset"]

@@ -36,8 +36,23 @@ def _free_port() -> int:
 def serve(app: str) -> Iterator[int]:
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", app, "--host", HOST, "--port", str(port),
-         "--log-level", "warning", "--no-access-log", "--loop", "asyncio", "--http", "h11"],
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            app,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+            "--loop",
+            "asyncio",
+            "--http",
+            "h11",
+        ],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     try:
@@ -63,7 +78,7 @@ def main() -> None:
     results: dict[tuple[str, str], list[float]] = {}
     with serve(apps["bare"]) as bare_port, serve(apps["wrapped"]) as wrapped_port:
         ports = {"bare": bare_port, "wrapped": wrapped_port}
-        for name, port in ports.items():  # warm-up
+        for port in ports.values():  # warm-up
             asyncio.run(run_load(HOST, port, "/json", connections=4, duration=0.5))
             asyncio.run(run_load(HOST, port, "/sse", connections=4, duration=0.5))
         for round_ in range(args.rounds):
@@ -71,20 +86,31 @@ def main() -> None:
             for route in ("/json", "/sse"):
                 for name in order:
                     done, _ = asyncio.run(
-                        run_load(HOST, ports[name], route, connections=args.connections,
-                                 duration=args.seconds)
+                        run_load(
+                            HOST,
+                            ports[name],
+                            route,
+                            connections=args.connections,
+                            duration=args.seconds,
+                        )
                     )
                     results.setdefault((name, route), []).append(done / args.seconds)
-    print(f"uvicorn (h11, asyncio), {args.rounds} rounds x {args.seconds}s, "
-          f"{args.connections} connections; median per round")
+    print(
+        f"uvicorn (h11, asyncio), {args.rounds} rounds x {args.seconds}s, "
+        f"{args.connections} connections; median per round"
+    )
     for route, unit in (("/json", "requests/s"), ("/sse", "streams/s")):
         bare = statistics.median(results[("bare", route)])
         wrapped = statistics.median(results[("wrapped", route)])
         extra = ""
         if route == "/sse":
-            extra = f"  (chunks/s: bare {bare * SSE_EVENTS:,.0f}, wrapped {wrapped * SSE_EVENTS:,.0f})"
-        print(f"{route:6} {unit:11} bare {bare:9.1f}  wrapped {wrapped:9.1f}  "
-              f"ratio {wrapped / bare:.3f}{extra}")
+            extra = (
+                f"  (chunks/s: bare {bare * SSE_EVENTS:,.0f}, wrapped {wrapped * SSE_EVENTS:,.0f})"
+            )
+        print(
+            f"{route:6} {unit:11} bare {bare:9.1f}  wrapped {wrapped:9.1f}  "
+            f"ratio {wrapped / bare:.3f}{extra}"
+        )
 
 
 if __name__ == "__main__":

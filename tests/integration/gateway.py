@@ -22,8 +22,12 @@ from starlette.routing import Mount, Route
 from asgi_disconnect import MemoryBackend, disconnect_policy, install
 from asgi_disconnect.upstream import track_response
 
-CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-        "stream_options": {"include_usage": True}}
+CHAT = {
+    "model": "fake-model",
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
 
 
 def make_gateway(upstream: str, **options: Any) -> tuple[FastAPI, dict[str, bytearray]]:
@@ -61,7 +65,8 @@ def make_gateway(upstream: str, **options: Any) -> tuple[FastAPI, dict[str, byte
             client.build_request("POST", "/v1/chat/completions", json=CHAT), stream=True
         )
         return StreamingResponse(
-            upstream_response.aiter_raw(), media_type="text/event-stream",
+            upstream_response.aiter_raw(),
+            media_type="text/event-stream",
             background=BackgroundTask(upstream_response.aclose),
         )
 
@@ -109,10 +114,15 @@ def make_gateway(upstream: str, **options: Any) -> tuple[FastAPI, dict[str, byte
         return StreamingResponse(forward(request), media_type="text/event-stream")
 
     app.router.routes.append(
-        Mount("/starlette", app=Starlette(routes=[
-            Route("/detach", mounted_detach, methods=["POST"]),
-            Route("/in-generator", mounted_cancel, methods=["POST"]),
-        ]))
+        Mount(
+            "/starlette",
+            app=Starlette(
+                routes=[
+                    Route("/detach", mounted_detach, methods=["POST"]),
+                    Route("/in-generator", mounted_cancel, methods=["POST"]),
+                ]
+            ),
+        )
     )
 
     options.setdefault("backend", MemoryBackend())

@@ -61,13 +61,17 @@ async def test_cancel_closes_the_upstream_mid_stream(
     received = tokens_in(result.body)
     assert 0 < received <= upstream.tokens_sent < upstream.tokens_planned
     ratio = upstream.tokens_sent / received
-    print(f"{server} {path}: upstream generated {upstream.tokens_sent} tokens, "
-          f"client received {received}; ratio {ratio:.2f}")
+    print(
+        f"{server} {path}: upstream generated {upstream.tokens_sent} tokens, "
+        f"client received {received}; ratio {ratio:.2f}"
+    )
     # Only what was in flight when the socket closed is billed on top.
     assert upstream.tokens_sent - received < 60
 
 
-@pytest.mark.parametrize("path", ["/in-generator", "/in-endpoint", "/fastapi-sse", "/non-streaming"])
+@pytest.mark.parametrize(
+    "path", ["/in-generator", "/in-endpoint", "/fastapi-sse", "/non-streaming"]
+)
 async def test_cancel_before_the_first_token_closes_the_upstream(server: str, path: str) -> None:
     with FakeProvider(tokens=50, first_token_delay=5) as provider:
         app, _ = make_gateway(provider.url)
@@ -119,9 +123,14 @@ async def test_detach_resume_mid_offset_streams_the_rest_live(server: str) -> No
             generation_id = first.headers["x-generation-id"]
             offset = len(first.body)
             (upstream,) = provider.requests
-            async with httpx.AsyncClient(timeout=20) as client, client.stream(
-                "GET", f"{srv.url}/generations/{generation_id}/stream", params={"offset": offset}
-            ) as live:
+            async with (
+                httpx.AsyncClient(timeout=20) as client,
+                client.stream(
+                    "GET",
+                    f"{srv.url}/generations/{generation_id}/stream",
+                    params={"offset": offset},
+                ) as live,
+            ):
                 assert not upstream.finished, "the resume must start while it still runs"
                 rest = b"".join([chunk async for chunk in live.aiter_raw()])
             assert upstream.finished

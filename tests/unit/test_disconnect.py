@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import logging
 from collections.abc import AsyncIterator
@@ -36,7 +37,9 @@ async def status_of(mw: DisconnectMiddleware, generation_id: str) -> dict[str, o
     return msgspec.json.decode(result.body)  # type: ignore[no-any-return]
 
 
-async def wait_status(mw: DisconnectMiddleware, generation_id: str, status: str) -> dict[str, object]:
+async def wait_status(
+    mw: DisconnectMiddleware, generation_id: str, status: str
+) -> dict[str, object]:
     with pytest.MonkeyPatch.context():
         async with asyncio.timeout(5):
             while True:
@@ -53,7 +56,8 @@ async def test_json_response_passes_through_with_generation_id() -> None:
     assert result.body == b'{"ok":true}'
     assert result.complete
     generation_id = result.header("x-generation-id")
-    assert generation_id is not None and generation_id.startswith("gen_")
+    assert generation_id is not None
+    assert generation_id.startswith("gen_")
     info = await status_of(mw, generation_id)
     assert info["status"] == "complete"
     assert info["size"] == len(result.body)
@@ -152,7 +156,9 @@ async def test_detach_resume_at_an_offset_follows_live() -> None:
     async with lifespan(mw):
         result = await drive(mw, path="/detach", disconnect_after_bytes=30)
         generation_id = result.header("x-generation-id")
-        live = await drive(mw, path=f"/generations/{generation_id}/stream", query_string=b"offset=30")
+        live = await drive(
+            mw, path=f"/generations/{generation_id}/stream", query_string=b"offset=30"
+        )
         # The resume started while the generation ran and ended when it finished.
         assert probe.finished.is_set()
         assert live.complete
@@ -302,10 +308,8 @@ async def test_error_frame_reaches_the_connected_client() -> None:
             seen.append(message)
             await send(message)
 
-        try:
+        with contextlib.suppress(RuntimeError):
             await inner(scope, receive, spy)
-        except RuntimeError:
-            pass
 
     result = await drive(app)
     assert result.complete

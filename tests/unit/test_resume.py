@@ -93,8 +93,16 @@ async def test_prefix_alone_is_left_to_the_app(mw: DisconnectMiddleware) -> None
 
 
 @pytest.mark.parametrize(
-    "query", [b"offset=abc", b"offset=-1", b"offset=1.5", b"offset=", b"offset=1&offset=2",
-              b"offset=%EF%BC%91", b"offset=99999999999999999999999"],
+    "query",
+    [
+        b"offset=abc",
+        b"offset=-1",
+        b"offset=1.5",
+        b"offset=",
+        b"offset=1&offset=2",
+        b"offset=%EF%BC%91",
+        b"offset=99999999999999999999999",
+    ],
 )
 async def test_bad_offset_is_400(mw: DisconnectMiddleware, query: bytes) -> None:
     generation_id, _ = await made_by_alice(mw)
@@ -108,15 +116,19 @@ async def test_bad_offset_is_400(mw: DisconnectMiddleware, query: bytes) -> None
 async def test_offset_past_the_end_is_416(mw: DisconnectMiddleware) -> None:
     generation_id, body = await made_by_alice(mw)
     result = await drive(
-        mw, path=f"/generations/{generation_id}/stream",
-        query_string=f"offset={len(body) + 1}".encode(), headers=ALICE,
+        mw,
+        path=f"/generations/{generation_id}/stream",
+        query_string=f"offset={len(body) + 1}".encode(),
+        headers=ALICE,
     )
     assert result.status == 416
     assert problem(result)["type"] == "urn:asgi-disconnect:problem:offset-out-of-range"
     assert result.header("content-range") == f"bytes */{len(body)}"
     at_end = await drive(
-        mw, path=f"/generations/{generation_id}/stream",
-        query_string=f"offset={len(body)}".encode(), headers=ALICE,
+        mw,
+        path=f"/generations/{generation_id}/stream",
+        query_string=f"offset={len(body)}".encode(),
+        headers=ALICE,
     )
     assert at_end.status == 200
     assert at_end.body == b""
@@ -132,7 +144,9 @@ async def test_other_methods_are_405(mw: DisconnectMiddleware) -> None:
 
 async def test_head_sends_headers_only(mw: DisconnectMiddleware) -> None:
     generation_id, _ = await made_by_alice(mw)
-    result = await drive(mw, method="HEAD", path=f"/generations/{generation_id}/stream", headers=ALICE)
+    result = await drive(
+        mw, method="HEAD", path=f"/generations/{generation_id}/stream", headers=ALICE
+    )
     assert result.status == 200
     assert result.body == b""
 
