@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import secrets
+from base64 import urlsafe_b64encode
+import os
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -38,13 +39,33 @@ def default_principal(scope: Scope) -> str:
     return ""
 
 
-def _new_generation_id() -> str:
-    return "gen_" + secrets.token_urlsafe(18)
+class _IdSource:
+    """Random ids from the OS CSPRNG, read in batches: one syscall per 256 ids."""
+
+    __slots__ = ("_buffer", "_offset")
+
+    _BATCH = 256
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._offset = 0
+
+    def __call__(self) -> str:
+        offset = self._offset
+        if offset >= len(self._buffer):
+            self._buffer = os.urandom(18 * self._BATCH)
+            offset = 0
+        self._offset = offset + 18
+        return "gen_" + urlsafe_b64encode(self._buffer[offset : offset + 18]).decode()
+
+
+_new_generation_id = _IdSource()
 
 
 def _content_type(headers: list[Any]) -> str | None:
     for name, value in headers:
-        if name.lower() == b"content-type":
+        # ASGI header names are lower-case; tolerate apps that send them otherwise.
+        if name == b"content-type" or (len(name) == 12 and name.lower() == b"content-type"):
             return bytes(value).decode("latin-1")
     return None
 

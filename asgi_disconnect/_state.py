@@ -27,7 +27,7 @@ class RequestState:
         "delivered_bytes",
         "detached",
         "disconnect_reason",
-        "disconnected",
+        "_disconnected",
         "generation",
         "generation_id",
         "policy",
@@ -41,10 +41,18 @@ class RequestState:
         self.principal: str | None = None
         self.policy: Policy | None = None
         self.detached = False
-        self.disconnected = asyncio.Event()
+        self._disconnected: asyncio.Event | None = None
         self.disconnect_reason: str | None = None
         self.delivered_bytes = 0
         self.upstreams: list[Closable] = []
+
+    @property
+    def disconnected(self) -> asyncio.Event:
+        """Set when the client went away (or lagged too far behind)."""
+        event = self._disconnected
+        if event is None:
+            event = self._disconnected = asyncio.Event()
+        return event
 
     @property
     def produced_bytes(self) -> int:

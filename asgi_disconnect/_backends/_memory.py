@@ -44,7 +44,8 @@ class MemoryBackend:
     def register(self, generation: Generation) -> None:
         generations = self._generations
         generations[generation.id] = generation
-        if len(generations) > self._max:
+        # Evict in batches of an eighth, so a full store costs O(1) per request.
+        if len(generations) > self._max + (self._max >> 3):
             self._evict()
 
     def _evict(self) -> None:

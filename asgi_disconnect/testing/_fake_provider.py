@@ -1,0 +1,900 @@
+"""A loopback HTTP/1.1 server imitating the streaming OpenAI Chat and Anthropic Messages APIs.
+
+It records every API call and, crucially, notices a client that hangs up while a response is
+being generated (a concurrent reader sees EOF), so tests can assert that abandoned upstream calls
+really stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import TracebackType
+
+__all__ = ["FakeProvider", "ProviderRequest"]
+
+OPENAI_CHAT = "openai_chat"
+ANTHROPIC_MESSAGES = "anthropic_messages"
+_ROUTES = {"/v1/chat/completions": OPENAI_CHAT, "/v1/messages": ANTHROPIC_MESSAGES}
+_MAX_HEAD = 64 * 1024
+_MAX_BODY = 16 * 1024 * 1024
+_REASONS = {
+    100: "Continue",
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    411: "Length Required",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    529: "Overloaded",
+}
+_TOKEN_HEADER = re.compile(r"[0-9]+")
+
+
+def _dumps(value: object) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _token_text(index: int) -> str:
+    return f"tok{index} "
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _Signal:
+    """A lock guarding shared state plus a wake-up that threads and any event loop can wait on."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
+
+    def notify(self) -> None:
+        """Wake every waiter; the caller holds `lock`."""
+        self.lock.notify_all()
+        for loop, future in self._waiters:
+            with contextlib.suppress(RuntimeError):  # that waiter's loop is already closed
+                loop.call_soon_threadsafe(_resolve, future)
+
+    def wait(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        with self.lock:
+            return self.lock.wait_for(predicate, timeout)
+
+    async def wait_async(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            future: asyncio.Future[None] = loop.create_future()
+            waiter = (loop, future)
+            with self.lock:
+                if predicate():
+                    return True
+                self._waiters.add(waiter)
+            try:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return False
+                await asyncio.wait_for(future, remaining)
+            except TimeoutError:
+                with self.lock:
+                    return predicate()
+            finally:
+                with self.lock:
+                    self._waiters.discard(waiter)
+
+
+class ProviderRequest:
+    """One recorded API call; the server thread updates its fields (under a lock) as it goes.
+
+    `closed_at` is when the exchange ended: the response finished, the error frame was sent,
+    the client hung up, or the server stopped. `tokens_generated` counts tokens produced so far
+    (for a non-streaming call they are only sent, all at once, at the end).
+    """
+
+    def __init__(
+        self,
+        *,
+        id: int,
+        connection_id: int,
+        path: str,
+        api: str,
+        body: dict[str, Any],
+        stream: bool,
+        tokens_planned: int,
+        signal: _Signal,
+    ) -> None:
+        self.id = id
+        self.connection_id = connection_id
+        self.path = path
+        self.api = api
+        self.body = body
+        self.stream = stream
+        self.tokens_planned = tokens_planned
+        self.tokens_generated = 0
+        self.tokens_sent = 0
+        self.finished = False
+        self.error_sent = False
+        self.connection_closed_early = False
+        self.started_at = time.monotonic()
+        self.closed_at: float | None = None
+        self._signal = signal
+
+    def __repr__(self) -> str:
+        return (
+            f"ProviderRequest(id={self.id}, api={self.api!r}, stream={self.stream}, "
+            f"tokens_planned={self.tokens_planned}, tokens_generated={self.tokens_generated}, "
+            f"tokens_sent={self.tokens_sent}, finished={self.finished}, "
+            f"error_sent={self.error_sent}, "
+            f"connection_closed_early={self.connection_closed_early}, closed_at={self.closed_at})"
+        )
+
+    def _is_closed(self) -> bool:
+        return self.closed_at is not None
+
+    def wait_closed(self, timeout: float = 10.0) -> bool:
+        """Block until the exchange ended (either side closed or the response finished)."""
+        return self._signal.wait(self._is_closed, timeout)
+
+    async def await_closed(self, timeout: float = 10.0) -> bool:
+        """Like `wait_closed`, without blocking the caller's event loop."""
+        return await self._signal.wait_async(self._is_closed, timeout)
+
+    def _count(self, *, generated: int = 0, sent: int = 0) -> None:
+        with self._signal.lock:
+            self.tokens_generated += generated
+            self.tokens_sent += sent
+
+    def _end(self, *, finished: bool = False, error: bool = False, early: bool = False) -> None:
+        with self._signal.lock:
+            if self.closed_at is not None:
+                return
+            self.finished = finished
+            self.error_sent = error
+            self.connection_closed_early = early
+            self.closed_at = time.monotonic()
+            self._signal.notify()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    tokens: int
+    cut_by_max_tokens: bool
+    seconds_per_token: float
+    first_token_delay: float
+    error_after: int | None
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class _HttpRequest:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    keep_alive: bool
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class _ClientGone(ConnectionError):
+    pass
+
+
+def _head(status: int, headers: list[tuple[str, str]], *, keep_alive: bool) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}", "server: fake-provider"]
+    lines += [f"{name}: {value}" for name, value in headers]
+    if not keep_alive:
+        lines.append("connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _full_response(
+    status: int, body: bytes, content_type: str, *, keep_alive: bool, extra: list[tuple[str, str]]
+) -> bytes:
+    headers = [("content-type", content_type), ("content-length", str(len(body))), *extra]
+    return _head(status, headers, keep_alive=keep_alive) + body
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def _error_json(api: str, status: int, message: str) -> dict[str, Any]:
+    if api == ANTHROPIC_MESSAGES:
+        kinds = {404: "not_found_error", 500: "api_error", 529: "overloaded_error"}
+        kind = kinds.get(status, "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+class _Format(Protocol):
+    def preamble(self) -> list[bytes]: ...
+    def token(self, index: int) -> bytes: ...
+    def epilogue(self, plan: _Plan) -> list[bytes]: ...
+    def error_frame(self) -> bytes: ...
+    def error_response(self) -> tuple[int, dict[str, Any]]: ...
+    def complete(self, plan: _Plan) -> dict[str, Any]: ...
+
+
+class _OpenAIChat:
+    def __init__(self, request_id: int, model: str, input_tokens: int) -> None:
+        self._id = f"chatcmpl-fake{request_id:08d}"
+        self._created = int(time.time())
+        self._model = model
+        self._input_tokens = input_tokens
+
+    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        chunk = {
+            "id": self._id,
+            "object": "chat.completion.chunk",
+            "created": self._created,
+            "model": self._model,
+            "system_fingerprint": "fp_fake",
+            "choices": choices,
+            **extra,
+        }
+        return b"data: " + _dumps(chunk) + b"\n\n"
+
+    @staticmethod
+    def _choice(delta: dict[str, Any], finish_reason: str | None) -> list[dict[str, Any]]:
+        return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+
+    def _usage(self, plan: _Plan) -> dict[str, int]:
+        total = self._input_tokens + plan.tokens
+        return {
+            "prompt_tokens": self._input_tokens,
+            "completion_tokens": plan.tokens,
+            "total_tokens": total,
+        }
+
+    def preamble(self) -> list[bytes]:
+        delta = {"role": "assistant", "content": "", "refusal": None}
+        return [self._event(self._choice(delta, None))]
+
+    def token(self, index: int) -> bytes:
+        return self._event(self._choice({"content": _token_text(index)}, None))
+
+    def epilogue(self, plan: _Plan) -> list[bytes]:
+        finish = "length" if plan.cut_by_max_tokens else "stop"
+        frames = [self._event(self._choice({}, finish))]
+        if plan.include_usage:
+            frames.append(self._event([], usage=self._usage(plan)))
+        frames.append(b"data: [DONE]\n\n")
+        return frames
+
+    def error_frame(self) -> bytes:
+        message = "The server had an error while processing your request. Sorry about that!"
+        return b"data: " + _dumps({"error": {"message": message, "type": "server_error"}}) + b"\n\n"
+
+    def error_response(self) -> tuple[int, dict[str, Any]]:
+        message = "The server had an error while processing your request. Sorry about that!"
+        return 500, _error_json(OPENAI_CHAT, 500, message)
+
+    def complete(self, plan: _Plan) -> dict[str, Any]:
+        text = "".join(_token_text(index) for index in range(plan.tokens))
+        return {
+            "id": self._id,
+            "object": "chat.completion",
+            "created": self._created,
+            "model": self._model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": "length" if plan.cut_by_max_tokens else "stop",
+                }
+            ],
+            "usage": self._usage(plan),
+            "system_fingerprint": "fp_fake",
+        }
+
+
+class _AnthropicMessages:
+    def __init__(self, request_id: int, model: str, input_tokens: int) -> None:
+        self._id = f"msg_fake{request_id:08d}"
+        self._model = model
+        self._input_tokens = input_tokens
+
+    @staticmethod
+    def _event(name: str, data: bytes) -> bytes:
+        return b"event: " + name.encode() + b"\ndata: " + data + b"\n\n"
+
+    def _message(self, content: list[dict[str, Any]], stop_reason: str | None) -> dict[str, Any]:
+        return {
+            "model": self._model,
+            "id": self._id,
+            "type": "message",
+            "role": "assistant",
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": None,
+        }
+
+    def _usage(self, output_tokens: int) -> dict[str, int]:
+        return {
+            "input_tokens": self._input_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "output_tokens": output_tokens,
+        }
+
+    @staticmethod
+    def _stop_reason(plan: _Plan) -> str:
+        return "max_tokens" if plan.cut_by_max_tokens else "end_turn"
+
+    def preamble(self) -> list[bytes]:
+        message = {**self._message([], None), "usage": self._usage(1)}
+        text_block = {"type": "text", "text": ""}
+        block = {"type": "content_block_start", "index": 0, "content_block": text_block}
+        return [
+            self._event("message_start", _dumps({"type": "message_start", "message": message})),
+            self._event("content_block_start", _dumps(block)),
+            # The live API sends this one frame with a space after the colon.
+            self._event("ping", b'{"type": "ping"}'),
+        ]
+
+    def token(self, index: int) -> bytes:
+        delta = {"type": "text_delta", "text": _token_text(index)}
+        return self._event(
+            "content_block_delta",
+            _dumps({"type": "content_block_delta", "index": 0, "delta": delta}),
+        )
+
+    def epilogue(self, plan: _Plan) -> list[bytes]:
+        delta = {"stop_reason": self._stop_reason(plan), "stop_sequence": None}
+        message_delta = {"type": "message_delta", "delta": delta, "usage": self._usage(plan.tokens)}
+        return [
+            self._event("content_block_stop", _dumps({"type": "content_block_stop", "index": 0})),
+            self._event("message_delta", _dumps(message_delta)),
+            self._event("message_stop", _dumps({"type": "message_stop"})),
+        ]
+
+    def error_frame(self) -> bytes:
+        return self._event("error", _dumps(self.error_response()[1]))
+
+    def error_response(self) -> tuple[int, dict[str, Any]]:
+        return 529, _error_json(ANTHROPIC_MESSAGES, 529, "Overloaded")
+
+    def complete(self, plan: _Plan) -> dict[str, Any]:
+        text = "".join(_token_text(index) for index in range(plan.tokens))
+        message = self._message([{"type": "text", "text": text}], self._stop_reason(plan))
+        return {**message, "usage": self._usage(plan.tokens)}
+
+
+class _Connection:
+    """One client connection; a background reader notices the client hanging up at any time."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, connection_id: int
+    ) -> None:
+        self.id = connection_id
+        self.writer = writer
+        self.gone = asyncio.Event()
+        self.server_closing = False
+        self._reader = reader
+        self._buffer = bytearray()
+        self._changed = asyncio.Event()
+        # A zero high-water mark makes drain() wait until the kernel accepted every byte.
+        writer.transport.set_write_buffer_limits(high=0)
+        self._read_task = asyncio.create_task(self._read_forever())
+
+    async def _read_forever(self) -> None:
+        try:
+            while chunk := await self._reader.read(65536):
+                self._buffer += chunk
+                self._changed.set()
+        except OSError:
+            pass
+        finally:
+            self.gone.set()
+            self._changed.set()
+
+    async def _wait_for(self, predicate: Callable[[], bool]) -> bool:
+        while not predicate():
+            if self.gone.is_set():
+                return False
+            self._changed.clear()
+            await self._changed.wait()
+        return True
+
+    async def read_request(self) -> _HttpRequest | None:
+        """The next request, or None when the client closed the connection first."""
+
+        def head_arrived() -> bool:
+            del self._buffer[: len(self._buffer) - len(self._buffer.lstrip(b"\r\n"))]
+            if self._buffer.find(b"\r\n\r\n") < 0 and len(self._buffer) > _MAX_HEAD:
+                raise _HttpError(431, "request head too large")
+            return self._buffer.find(b"\r\n\r\n") >= 0
+
+        if not await self._wait_for(head_arrived):
+            return None
+        end = self._buffer.find(b"\r\n\r\n")
+        head = bytes(self._buffer[:end]).decode("latin-1")
+        del self._buffer[: end + 4]
+        method, path, version, headers = _parse_head(head)
+        length = _content_length(headers)
+        if headers.get("expect", "").lower() == "100-continue":
+            await self.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if not await self._wait_for(lambda: len(self._buffer) >= length):
+            return None
+        body = bytes(self._buffer[:length])
+        del self._buffer[:length]
+        tokens = {token.strip().lower() for token in headers.get("connection", "").split(",")}
+        keep_alive = "close" not in tokens if version == "HTTP/1.1" else "keep-alive" in tokens
+        return _HttpRequest(method, path, headers, body, keep_alive)
+
+    async def send(self, data: bytes) -> None:
+        # Writing to a closed transport only logs warnings, so fail like a socket would.
+        if self.writer.transport.is_closing():
+            raise _ClientGone("connection closed")
+        self.writer.write(data)
+        try:
+            await self.writer.drain()
+        except OSError as exc:
+            raise _ClientGone(str(exc)) from exc
+
+    def abort(self) -> None:
+        self.server_closing = True
+        self.writer.transport.abort()
+
+    async def close(self) -> None:
+        self._read_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._read_task
+        transport = self.writer.transport
+        if transport.get_write_buffer_size() or self.gone.is_set():
+            transport.abort()
+        else:
+            self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
+def _parse_head(head: str) -> tuple[str, str, str, dict[str, str]]:
+    request_line, *lines = head.split("\r\n")
+    parts = request_line.split(" ")
+    if len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
+        raise _HttpError(400, f"malformed request line {request_line!r}")
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if not colon or not name or name != name.strip():
+            raise _HttpError(400, f"malformed header line {line!r}")
+        headers[name.lower()] = value.strip()
+    method, target, version = parts
+    return method, target.split("?", 1)[0], version, headers
+
+
+def _content_length(headers: dict[str, str]) -> int:
+    if "transfer-encoding" in headers:
+        raise _HttpError(411, "chunked request bodies are not supported; send Content-Length")
+    value = headers.get("content-length", "0")
+    if not _TOKEN_HEADER.fullmatch(value):
+        raise _HttpError(400, f"invalid Content-Length {value!r}")
+    if int(value) > _MAX_BODY:
+        raise _HttpError(413, "request body too large")
+    return int(value)
+
+
+def _header_number(headers: dict[str, str], name: str, default: float) -> float:
+    raw = headers.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise _HttpError(400, f"header {name} must be a number, got {raw!r}") from None
+    if value < 0 or math.isnan(value):
+        raise _HttpError(400, f"header {name} must not be negative, got {raw!r}")
+    return value
+
+
+def _header_count(headers: dict[str, str], name: str) -> int | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    if not _TOKEN_HEADER.fullmatch(raw.strip()):
+        raise _HttpError(400, f"header {name} must be a non-negative integer, got {raw!r}")
+    return int(raw)
+
+
+async def _sleep_until(deadline: float) -> None:
+    delay = deadline - asyncio.get_running_loop().time()
+    # Always yield, so a zero-delay stream still lets the reader notice a hang-up.
+    await asyncio.sleep(max(delay, 0.0))
+
+
+def _quiet_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    if isinstance(context.get("exception"), ConnectionError | asyncio.CancelledError):
+        return
+    loop.default_exception_handler(context)
+
+
+class FakeProvider:
+    """A fake OpenAI/Anthropic streaming endpoint running its own event loop in a daemon thread.
+
+    Per-request overrides (request headers): ``x-fake-tokens``, ``x-fake-rate`` (tokens/s,
+    0 or ``inf`` for as fast as possible), ``x-fake-first-token-delay`` (seconds) and
+    ``x-fake-error-after`` (send the provider's mid-stream error frame after that many tokens).
+    """
+
+    def __init__(
+        self,
+        *,
+        tokens: int = 50,
+        tokens_per_second: float = 200.0,
+        first_token_delay: float = 0.0,
+        input_tokens: int = 12,
+        model: str = "fake-model",
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.tokens = tokens
+        self.tokens_per_second = tokens_per_second
+        self.first_token_delay = first_token_delay
+        self.input_tokens = input_tokens
+        self.model = model
+        self.host = host
+        self.port = port
+        self._signal = _Signal()
+        self._requests: list[ProviderRequest] = []
+        self._request_ids = itertools.count(1)
+        self._connection_ids = itertools.count(1)
+        self._lifecycle = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._startup_error: BaseException | None = None
+        self._bound_port: int | None = None
+        self._connections: dict[_Connection, asyncio.Task[Any]] = {}
+
+    # lifecycle
+
+    def start(self) -> FakeProvider:
+        """Start listening (idempotent) and return self."""
+        with self._lifecycle:
+            if self._thread is not None:
+                return self
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+            self._startup_error = None
+            thread = threading.Thread(
+                target=self._run, args=(loop, ready), name="FakeProvider", daemon=True
+            )
+            thread.start()
+            ready.wait()
+            if self._startup_error is not None:
+                thread.join()
+                raise self._startup_error
+            self._thread, self._loop = thread, loop
+        return self
+
+    def stop(self) -> None:
+        """Close the listener and every open connection; idempotent."""
+        with self._lifecycle:
+            thread, loop, stopping = self._thread, self._loop, self._stopping
+            self._thread = self._loop = None
+            if thread is None or loop is None or stopping is None:
+                return
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                loop.call_soon_threadsafe(stopping.set)
+            thread.join(timeout=30)
+
+    def __enter__(self) -> FakeProvider:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> FakeProvider:
+        return await asyncio.to_thread(self.start)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.stop)
+
+    @property
+    def url(self) -> str:
+        if self._bound_port is None or self._thread is None:
+            raise RuntimeError("FakeProvider is not running; call start() first")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self._bound_port}"
+
+    # recorded requests
+
+    @property
+    def requests(self) -> list[ProviderRequest]:
+        with self._signal.lock:
+            return list(self._requests)
+
+    def reset(self) -> None:
+        with self._signal.lock:
+            self._requests.clear()
+
+    def _has_requests(self, n: int) -> Callable[[], bool]:
+        return lambda: len(self._requests) >= n
+
+    def wait_for_requests(self, n: int, timeout: float = 10.0) -> list[ProviderRequest]:
+        """Block until `n` requests arrived; return the first `n`."""
+        if not self._signal.wait(self._has_requests(n), timeout):
+            raise TimeoutError(f"{len(self._requests)} of {n} requests arrived within {timeout}s")
+        return self.requests[:n]
+
+    async def await_requests(self, n: int, timeout: float = 10.0) -> list[ProviderRequest]:
+        """Like `wait_for_requests`, without blocking the caller's event loop."""
+        if not await self._signal.wait_async(self._has_requests(n), timeout):
+            raise TimeoutError(f"{len(self._requests)} of {n} requests arrived within {timeout}s")
+        return self.requests[:n]
+
+    # server thread
+
+    def _run(self, loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
+        loop.set_exception_handler(_quiet_exception_handler)
+        try:
+            loop.run_until_complete(self._serve(ready))
+        except Exception as exc:  # reported to start() when listening failed
+            self._startup_error = exc
+        finally:
+            ready.set()
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    async def _serve(self, ready: threading.Event) -> None:
+        self._stopping = asyncio.Event()
+        server = await asyncio.start_server(self._handle, self.host, self.port)
+        self._bound_port = server.sockets[0].getsockname()[1]
+        ready.set()
+        try:
+            await self._stopping.wait()
+        finally:
+            server.close()
+            for connection in self._connections:
+                connection.abort()
+            # Aborting wakes every handler (and late ones abort themselves); cancelling them
+            # instead trips a 3.11 streams bug that logs the CancelledError.
+            others = asyncio.all_tasks() - {asyncio.current_task()}
+            if others:
+                _, stuck = await asyncio.wait(others, timeout=5.0)
+                for task in stuck:
+                    task.cancel()
+            await server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if self._stopping is None or self._stopping.is_set():
+            writer.transport.abort()
+            return
+        connection = _Connection(reader, writer, next(self._connection_ids))
+        self._connections[connection] = task
+        try:
+            while await self._serve_one(connection):
+                pass
+        except _HttpError as exc:
+            body = _dumps(_error_json(OPENAI_CHAT, exc.status, exc.message))
+            response = _full_response(
+                exc.status, body, "application/json", keep_alive=False, extra=[]
+            )
+            with contextlib.suppress(ConnectionError):
+                await connection.send(response)
+        except ConnectionError:
+            pass
+        finally:
+            del self._connections[connection]
+            await connection.close()
+
+    async def _serve_one(self, connection: _Connection) -> bool:
+        """Answer one request; return whether the connection stays open for another."""
+        request = await connection.read_request()
+        if request is None:
+            return False
+        if request.method == "GET" and request.path == "/health":
+            await connection.send(
+                _full_response(
+                    200, b"ok", "text/plain; charset=utf-8", keep_alive=request.keep_alive, extra=[]
+                )
+            )
+            return request.keep_alive
+        api = _ROUTES.get(request.path) if request.method == "POST" else None
+        if api is None:
+            shape = ANTHROPIC_MESSAGES if "anthropic-version" in request.headers else OPENAI_CHAT
+            message = (
+                "Not Found"
+                if shape == ANTHROPIC_MESSAGES
+                else (f"Invalid URL ({request.method} {request.path})")
+            )
+            return await self._send_error(connection, request, shape, 404, message)
+        try:
+            body = json.loads(request.body)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            message = "We could not parse the JSON body of your request."
+            return await self._send_error(connection, request, api, 400, message)
+        try:
+            plan = self._plan(request.headers, body)
+        except _HttpError as exc:
+            return await self._send_error(connection, request, api, exc.status, exc.message)
+        record = self._record(connection, request.path, api, body, plan)
+        return await self._exchange(connection, record, plan, request.keep_alive)
+
+    async def _send_error(
+        self, connection: _Connection, request: _HttpRequest, api: str, status: int, message: str
+    ) -> bool:
+        body = _dumps(_error_json(api, status, message))
+        await connection.send(
+            _full_response(
+                status, body, "application/json", keep_alive=request.keep_alive, extra=[]
+            )
+        )
+        return request.keep_alive
+
+    def _plan(self, headers: dict[str, str], body: dict[str, Any]) -> _Plan:
+        override = _header_count(headers, "x-fake-tokens")
+        tokens = self.tokens if override is None else override
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        cut = False
+        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
+            cut = 0 <= max_tokens < tokens
+            tokens = min(tokens, max_tokens) if cut else tokens
+        rate = _header_number(headers, "x-fake-rate", self.tokens_per_second)
+        error_after = _header_count(headers, "x-fake-error-after")
+        options = body.get("stream_options")
+        return _Plan(
+            tokens=tokens,
+            cut_by_max_tokens=cut,
+            seconds_per_token=0.0 if rate in (0.0, math.inf) else 1.0 / rate,
+            first_token_delay=_header_number(
+                headers, "x-fake-first-token-delay", self.first_token_delay
+            ),
+            error_after=error_after if error_after is not None and error_after <= tokens else None,
+            include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+        )
+
+    def _record(
+        self, connection: _Connection, path: str, api: str, body: dict[str, Any], plan: _Plan
+    ) -> ProviderRequest:
+        record = ProviderRequest(
+            id=next(self._request_ids),
+            connection_id=connection.id,
+            path=path,
+            api=api,
+            body=body,
+            stream=body.get("stream") is True,
+            tokens_planned=plan.tokens,
+            signal=self._signal,
+        )
+        with self._signal.lock:
+            self._requests.append(record)
+            self._signal.notify()
+        return record
+
+    async def _exchange(
+        self, connection: _Connection, record: ProviderRequest, plan: _Plan, keep_alive: bool
+    ) -> bool:
+        """Produce the response while watching for the client hanging up."""
+        fmt: _Format
+        if record.api == OPENAI_CHAT:
+            fmt = _OpenAIChat(record.id, self.model, self.input_tokens)
+        else:
+            fmt = _AnthropicMessages(record.id, self.model, self.input_tokens)
+        produce = self._stream if record.stream else self._respond_once
+        producer = asyncio.create_task(produce(connection, record, fmt, plan, keep_alive))
+        hang_up = asyncio.create_task(connection.gone.wait())
+        try:
+            await asyncio.wait((producer, hang_up), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hang_up.cancel()
+            producer.cancel()
+            await asyncio.wait((producer,))
+            # No-op when the producer already recorded how the response ended.
+            record._end(early=not connection.server_closing)
+        if producer.cancelled():
+            return False
+        error = producer.exception()
+        if error is None:
+            return producer.result()
+        if not isinstance(error, ConnectionError):
+            raise error
+        return False
+
+    async def _stream(
+        self,
+        connection: _Connection,
+        record: ProviderRequest,
+        fmt: _Format,
+        plan: _Plan,
+        keep_alive: bool,
+    ) -> bool:
+        keep_alive = keep_alive and plan.error_after is None
+        headers = [
+            ("content-type", "text/event-stream"),
+            ("cache-control", "no-cache"),
+            ("transfer-encoding", "chunked"),
+            ("x-request-id", f"req_fake_{record.id}"),
+        ]
+        await connection.send(_head(200, headers, keep_alive=keep_alive))
+        for frame in fmt.preamble():
+            await connection.send(_chunk(frame))
+        start = asyncio.get_running_loop().time() + plan.first_token_delay
+        for index in range(plan.tokens + 1):
+            await _sleep_until(start + index * plan.seconds_per_token)
+            if index == plan.error_after:
+                await connection.send(_chunk(fmt.error_frame()))
+                record._end(error=True)
+                await connection.send(b"0\r\n\r\n")
+                return False
+            if index == plan.tokens:
+                break
+            record._count(generated=1)
+            await connection.send(_chunk(fmt.token(index)))
+            record._count(sent=1)
+        for frame in fmt.epilogue(plan):
+            await connection.send(_chunk(frame))
+        # Recorded before the chunked terminator, so a client that saw the whole response
+        # always finds the request finished.
+        record._end(finished=True)
+        await connection.send(b"0\r\n\r\n")
+        return keep_alive
+
+    async def _respond_once(
+        self,
+        connection: _Connection,
+        record: ProviderRequest,
+        fmt: _Format,
+        plan: _Plan,
+        keep_alive: bool,
+    ) -> bool:
+        start = asyncio.get_running_loop().time() + plan.first_token_delay
+        error = False
+        for index in range(plan.tokens + 1):
+            await _sleep_until(start + index * plan.seconds_per_token)
+            error = index == plan.error_after
+            if error:
+                break
+            if index < plan.tokens:
+                record._count(generated=1)
+        status, payload = fmt.error_response() if error else (200, fmt.complete(plan))
+        keep_alive = keep_alive and not error
+        extra = [("x-request-id", f"req_fake_{record.id}")]
+        response = _full_response(
+            status, _dumps(payload), "application/json", keep_alive=keep_alive, extra=extra
+        )
+        await connection.send(response[:-1])
+        # Recorded before the last byte, so a client that read the whole response always finds
+        # the request ended.
+        if not error:
+            record._count(sent=plan.tokens)
+        record._end(finished=not error, error=error)
+        await connection.send(response[-1:])
+        return keep_alive

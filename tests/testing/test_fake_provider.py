@@ -1,0 +1,510 @@
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+from asgi_disconnect.testing._fake_provider import FakeProvider, ProviderRequest
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+REPO = Path(__file__).resolve().parents[2]
+OPENAI = "/v1/chat/completions"
+ANTHROPIC = "/v1/messages"
+CHUNK_KEYS = {"id", "object", "created", "model", "system_fingerprint", "choices"}
+CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason"}
+
+
+@pytest.fixture
+def provider() -> Iterator[FakeProvider]:
+    with FakeProvider(tokens=8, tokens_per_second=0) as running:
+        yield running
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=10.0) as http:
+        yield http
+
+
+def parse_sse(raw: bytes) -> list[tuple[str | None, str]]:
+    """(event name, data) per dispatched event; enough SSE for these bodies."""
+    events: list[tuple[str | None, str]] = []
+    for block in raw.decode().split("\n\n"):
+        name: str | None = None
+        data: list[str] = []
+        for line in block.split("\n"):
+            field, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if field == "event":
+                name = value
+            elif field == "data":
+                data.append(value)
+        if data:
+            events.append((name, "\n".join(data)))
+    return events
+
+
+def collapse(kinds: list[str]) -> list[str]:
+    """Fold runs of one kind into one entry so recordings of any length compare equal."""
+    return [kind for i, kind in enumerate(kinds) if i == 0 or kinds[i - 1] != kind]
+
+
+def openai_shape(raw: bytes) -> list[str]:
+    kinds: list[str] = []
+    for name, data in parse_sse(raw):
+        assert name is None
+        if data == "[DONE]":
+            kinds.append("done")
+            continue
+        chunk = json.loads(data)
+        assert set(chunk) - {"usage"} == CHUNK_KEYS
+        if not chunk["choices"]:
+            assert {"prompt_tokens", "completion_tokens", "total_tokens"} <= set(chunk["usage"])
+            kinds.append("usage")
+            continue
+        (choice,) = chunk["choices"]
+        assert set(choice) == CHOICE_KEYS
+        if "role" in choice["delta"]:
+            assert choice["delta"] == {"role": "assistant", "content": "", "refusal": None}
+            kinds.append("role")
+        elif choice["finish_reason"] is not None:
+            assert choice["delta"] == {}
+            kinds.append(f"finish:{choice['finish_reason']}")
+        else:
+            assert set(choice["delta"]) == {"content"}
+            kinds.append("content")
+    return collapse(kinds)
+
+
+def anthropic_shape(raw: bytes) -> list[str]:
+    names: list[str] = []
+    for name, data in parse_sse(raw):
+        assert name is not None
+        assert json.loads(data)["type"] == name
+        names.append(name)
+    return collapse(names)
+
+
+def content_of(raw: bytes) -> str:
+    parts = []
+    for _, data in parse_sse(raw):
+        if data == "[DONE]":
+            continue
+        chunk = json.loads(data)
+        if chunk.get("choices"):
+            parts.append(chunk["choices"][0]["delta"].get("content", ""))
+        elif chunk.get("type") == "content_block_delta":
+            parts.append(chunk["delta"]["text"])
+    return "".join(parts)
+
+
+def post(
+    client: httpx.Client,
+    provider: FakeProvider,
+    path: str,
+    body: dict[str, Any],
+    **headers: str,
+) -> httpx.Response:
+    return client.post(
+        provider.url + path, json=body, headers={k.replace("_", "-"): v for k, v in headers.items()}
+    )
+
+
+def raw_post(path: str, body: bytes, extra: str = "") -> bytes:
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+    return head.encode() + body
+
+
+def test_openai_stream_has_the_recorded_framing(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    body = {"model": "gpt", "stream": True, "stream_options": {"include_usage": True}}
+    response = post(client, provider, OPENAI, body)
+
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/event-stream"
+    assert response.headers["transfer-encoding"] == "chunked"
+    recorded = (DATA / "openai_chat_basic.sse").read_bytes()
+    expected = ["role", "content", "finish:stop", "usage", "done"]
+    assert openai_shape(recorded) == expected
+    assert openai_shape(response.content) == expected
+    assert response.content.endswith(b"\n\ndata: [DONE]\n\n")
+    assert all(block.startswith(b"data: {") for block in response.content.split(b"\n\n")[:-2])
+    assert b'": ' not in response.content  # compact JSON
+    assert content_of(response.content) == "".join(f"tok{i} " for i in range(8))
+    usage = json.loads(parse_sse(response.content)[-2][1])["usage"]
+    assert usage == {"prompt_tokens": 12, "completion_tokens": 8, "total_tokens": 20}
+    (record,) = provider.wait_for_requests(1)
+    assert record.api == "openai_chat"
+    assert record.body == body
+    assert record.stream
+    assert record.finished
+    assert record.tokens_sent == record.tokens_planned == 8
+    assert not record.connection_closed_early
+
+
+def test_openai_stream_without_include_usage_has_no_usage_chunk(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    response = post(client, provider, OPENAI, {"stream": True})
+
+    assert openai_shape(response.content) == ["role", "content", "finish:stop", "done"]
+
+
+def test_openai_max_tokens_cuts_with_finish_reason_length(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    body = {"stream": True, "max_tokens": 3, "stream_options": {"include_usage": True}}
+    response = post(client, provider, OPENAI, body)
+
+    assert openai_shape(response.content) == ["role", "content", "finish:length", "usage", "done"]
+    assert content_of(response.content) == "tok0 tok1 tok2 "
+    assert provider.wait_for_requests(1)[0].tokens_planned == 3
+
+
+def test_anthropic_stream_has_the_recorded_framing(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    response = post(client, provider, ANTHROPIC, {"stream": True, "max_tokens": 1024})
+
+    expected = [
+        "message_start",
+        "content_block_start",
+        "ping",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    recorded = (DATA / "anthropic_messages_basic.sse").read_bytes()
+    assert anthropic_shape(recorded) == expected
+    assert anthropic_shape(response.content) == expected
+    assert response.headers["content-type"] == "text/event-stream"
+    events = parse_sse(response.content)
+    assert json.loads(events[0][1])["message"]["usage"]["input_tokens"] == 12
+    message_delta = json.loads(events[-2][1])
+    assert message_delta["delta"]["stop_reason"] == "end_turn"
+    assert message_delta["usage"]["output_tokens"] == 8
+    assert content_of(response.content) == "".join(f"tok{i} " for i in range(8))
+    assert response.content.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+
+
+def test_anthropic_max_tokens_stops_with_max_tokens(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    response = post(client, provider, ANTHROPIC, {"stream": True, "max_tokens": 2})
+
+    events = parse_sse(response.content)
+    assert json.loads(events[-2][1])["delta"]["stop_reason"] == "max_tokens"
+    assert content_of(response.content) == "tok0 tok1 "
+
+
+def test_rate_is_honoured(client: httpx.Client) -> None:
+    with FakeProvider(tokens=20, tokens_per_second=50) as provider:
+        started = time.monotonic()
+        response = post(client, provider, OPENAI, {"stream": True})
+        elapsed = time.monotonic() - started
+
+    assert content_of(response.content).count("tok") == 20
+    assert elapsed >= 0.3
+
+
+def test_header_overrides_token_count_and_rate(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    started = time.monotonic()
+    response = post(
+        client, provider, ANTHROPIC, {"stream": True}, x_fake_tokens="5", x_fake_rate="20"
+    )
+    elapsed = time.monotonic() - started
+
+    assert content_of(response.content) == "tok0 tok1 tok2 tok3 tok4 "
+    assert elapsed >= 0.15
+    assert provider.wait_for_requests(1)[0].tokens_planned == 5
+
+
+def test_invalid_override_header_is_a_400(provider: FakeProvider, client: httpx.Client) -> None:
+    response = post(client, provider, OPENAI, {"stream": True}, x_fake_tokens="many")
+
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert provider.requests == []
+
+
+def test_client_closing_mid_stream_is_recorded_before_the_next_write(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    # 20 s between tokens: a hang-up seen within the wait below was not found by a write.
+    headers = {"x-fake-tokens": "100", "x-fake-rate": "0.05"}
+    with client.stream(
+        "POST", provider.url + OPENAI, json={"stream": True}, headers=headers
+    ) as response:
+        for line in response.iter_lines():
+            if "tok0" in line:
+                break
+    closed_by_client = time.monotonic()
+
+    (record,) = provider.wait_for_requests(1)
+    assert record.wait_closed(timeout=5.0)
+    assert record.connection_closed_early
+    assert not record.finished
+    assert record.tokens_sent == 1 < record.tokens_planned
+    assert record.closed_at is not None
+    assert record.closed_at - closed_by_client < 5.0
+
+
+def test_client_closing_a_fast_stream_stops_generation(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    headers = {"x-fake-tokens": "100000", "x-fake-rate": "1000"}
+    with client.stream(
+        "POST", provider.url + ANTHROPIC, json={"stream": True}, headers=headers
+    ) as response:
+        for line in response.iter_lines():
+            if "tok5 " in line:
+                break
+
+    (record,) = provider.wait_for_requests(1)
+    assert record.wait_closed(timeout=5.0)
+    assert record.connection_closed_early
+    assert 6 <= record.tokens_sent < record.tokens_planned
+
+
+def test_close_during_first_token_delay_is_recorded(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    headers = {"x-fake-first-token-delay": "30"}
+    with client.stream(
+        "POST", provider.url + OPENAI, json={"stream": True}, headers=headers
+    ) as response:
+        assert response.status_code == 200
+
+    (record,) = provider.wait_for_requests(1)
+    assert record.wait_closed(timeout=5.0)
+    assert record.connection_closed_early
+    assert record.tokens_sent == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "usage_keys"),
+    [
+        (OPENAI, {"model": "m"}, {"prompt_tokens", "completion_tokens", "total_tokens"}),
+        (ANTHROPIC, {"max_tokens": 100}, {"input_tokens", "output_tokens"}),
+    ],
+)
+def test_non_streaming_response_has_the_real_shape(
+    provider: FakeProvider,
+    client: httpx.Client,
+    path: str,
+    body: dict[str, Any],
+    usage_keys: set[str],
+) -> None:
+    response = post(client, provider, path, body)
+
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/json"
+    payload = response.json()
+    text = "".join(f"tok{i} " for i in range(8))
+    if path == OPENAI:
+        assert payload["object"] == "chat.completion"
+        assert payload["choices"][0]["message"] == {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+        }
+        assert payload["choices"][0]["finish_reason"] == "stop"
+        assert payload["usage"]["completion_tokens"] == 8
+    else:
+        assert payload["type"] == "message"
+        assert payload["content"] == [{"type": "text", "text": text}]
+        assert payload["stop_reason"] == "end_turn"
+        assert payload["usage"]["output_tokens"] == 8
+    assert usage_keys <= set(payload["usage"])
+    (record,) = provider.wait_for_requests(1)
+    assert not record.stream
+    assert record.finished
+    assert record.tokens_sent == 8
+
+
+def test_abandoned_non_streaming_call_is_recorded(provider: FakeProvider) -> None:
+    host, port = provider.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(raw_post(OPENAI, b"{}", "x-fake-tokens: 50\r\nx-fake-rate: 10\r\n"))
+        (record,) = provider.wait_for_requests(1)
+        assert not record.wait_closed(timeout=0.2)
+
+    assert record.wait_closed(timeout=5.0)
+    assert record.connection_closed_early
+    assert not record.finished
+    assert record.tokens_sent == 0
+    assert record.tokens_generated < record.tokens_planned == 50
+
+
+@pytest.mark.parametrize("path", [OPENAI, ANTHROPIC])
+def test_error_injection_ends_the_stream_with_the_provider_error_frame(
+    provider: FakeProvider, client: httpx.Client, path: str
+) -> None:
+    response = post(client, provider, path, {"stream": True}, x_fake_error_after="3")
+
+    assert response.status_code == 200
+    events = parse_sse(response.content)
+    assert content_of(response.content) == "tok0 tok1 tok2 "
+    name, data = events[-1]
+    if path == OPENAI:
+        assert name is None
+        assert json.loads(data)["error"]["type"] == "server_error"
+        assert b"[DONE]" not in response.content
+    else:
+        assert name == "error"
+        assert json.loads(data) == {
+            "type": "error",
+            "error": {"type": "overloaded_error", "message": "Overloaded"},
+        }
+    assert response.headers["connection"] == "close"
+    (record,) = provider.wait_for_requests(1)
+    assert record.wait_closed(timeout=5.0)
+    assert record.error_sent
+    assert record.tokens_sent == 3
+    assert not record.finished
+    assert not record.connection_closed_early
+
+
+def test_error_injection_without_streaming_is_an_error_status(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    response = post(client, provider, ANTHROPIC, {}, x_fake_error_after="1")
+
+    assert response.status_code == 529
+    assert response.json()["error"]["type"] == "overloaded_error"
+
+
+def test_bad_json_is_a_400(provider: FakeProvider, client: httpx.Client) -> None:
+    response = client.post(provider.url + OPENAI, content=b"{not json")
+
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert provider.requests == []
+
+
+def test_unknown_path_is_a_404_and_health_is_ok(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    missing = client.post(provider.url + "/v1/completions", json={})
+    health = client.get(provider.url + "/health")
+
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == "Invalid URL (POST /v1/completions)"
+    assert health.status_code == 200
+    assert health.text == "ok"
+
+
+def test_chunked_request_body_is_rejected(provider: FakeProvider) -> None:
+    host, port = provider.url.removeprefix("http://").split(":")
+    request = f"POST {OPENAI} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    request += "2\r\n{}\r\n0\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request.encode())
+        reply = sock.recv(4096)
+
+    assert reply.startswith(b"HTTP/1.1 411 ")
+
+
+def test_keep_alive_serves_two_requests_on_one_connection(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    first = post(client, provider, OPENAI, {"stream": True})
+    second = post(client, provider, ANTHROPIC, {})
+
+    assert first.status_code == second.status_code == 200
+    a, b = provider.wait_for_requests(2)
+    assert a.connection_id == b.connection_id
+    assert a.finished
+    assert b.finished
+
+
+def test_stop_closes_open_connections(client: httpx.Client) -> None:
+    provider = FakeProvider(tokens=1000, tokens_per_second=10).start()
+    with client.stream("POST", provider.url + OPENAI, json={"stream": True}) as response:
+        lines = response.iter_lines()
+        assert any("tok0" in line for line in lines)
+        provider.stop()
+        with pytest.raises(httpx.RemoteProtocolError):
+            for _ in lines:
+                pass
+
+    (record,) = provider.requests
+    assert record.wait_closed(timeout=0)
+    assert not record.connection_closed_early
+    assert not record.finished
+    provider.stop()
+
+
+def test_wait_for_requests_times_out_and_reset_forgets(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    with pytest.raises(TimeoutError):
+        provider.wait_for_requests(1, timeout=0.05)
+    post(client, provider, OPENAI, {})
+    assert len(provider.wait_for_requests(1)) == 1
+
+    provider.reset()
+
+    assert provider.requests == []
+
+
+def test_async_api_works_from_another_event_loop() -> None:
+    async def scenario() -> tuple[list[ProviderRequest], bool]:
+        provider = FakeProvider(tokens=3, tokens_per_second=0)
+        async with provider, httpx.AsyncClient(timeout=10.0) as http:
+            waiting = asyncio.create_task(provider.await_requests(1, timeout=10.0))
+            response = await http.post(provider.url + ANTHROPIC, json={"stream": True})
+            assert response.status_code == 200
+            records = await waiting
+            closed = await records[0].await_closed(timeout=10.0)
+            with pytest.raises(TimeoutError):
+                await provider.await_requests(2, timeout=0.05)
+        return records, closed
+
+    records, closed = asyncio.run(scenario())
+
+    assert closed
+    assert records[0].finished
+
+
+def test_cli_serves_until_interrupted() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "asgi_disconnect.testing.fake_provider", "--port", "0"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    stdout = process.stdout
+    assert stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+    try:
+        match = re.search(r"http://\S+", lines.get(timeout=30))
+        assert match is not None
+        health = httpx.get(match.group() + "/health", timeout=10)
+        assert health.text == "ok"
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=10) == 0
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+        stdout.close()
