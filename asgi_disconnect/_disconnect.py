@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from base64 import urlsafe_b64encode
 import os
+from base64 import urlsafe_b64encode
 from collections import deque
 from typing import TYPE_CHECKING, Any
 

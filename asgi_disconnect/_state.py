@@ -24,10 +24,10 @@ class RequestState:
     """What the middlewares know about one request; read it, don't replace it."""
 
     __slots__ = (
+        "_disconnected",
         "delivered_bytes",
         "detached",
         "disconnect_reason",
-        "_disconnected",
         "generation",
         "generation_id",
         "policy",
