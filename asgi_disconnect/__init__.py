@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._backends import Backend, MemoryBackend, connect
+from ._backends import Backend, BackendUnavailable, DurableBackend, MemoryBackend, connect
 from ._disconnect import DisconnectMiddleware, default_principal
 from ._log import GenerationInfo, Status
 from ._policy import Policy, disconnect_policy
@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Backend",
+    "BackendUnavailable",
     "DisconnectMiddleware",
+    "DurableBackend",
     "GenerationInfo",
     "MemoryBackend",
     "Policy",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ResumeEndpoints", "error_frame", "is_event_stream"]
 
+_OFFSET_WAIT = 5.0
 _ID = re.compile(r"gen_[A-Za-z0-9_-]{24}")
 _encode = msgspec.json.Encoder().encode
 _ENDINGS = {
@@ -118,6 +120,9 @@ class ResumeEndpoints:
                 "offset must be a non-negative integer number of bytes.",
             )
             return
+        if offset > info.size and info.status is Status.RUNNING:
+            # The client may have read bytes that are not durable yet, on another replica.
+            info = await self._wait_for_size(info, offset)
         if offset > info.size:
             await send_problem(
                 send,

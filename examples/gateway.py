@@ -98,7 +98,10 @@ async def upstream_calls() -> list[dict[str, object]]:
     ]
 
 
-install(app, backend=connect(os.environ.get("ASGI_DISCONNECT_BACKEND", "memory://")))
+# The embedded default: durable, and shared by several worker processes on this machine.
+install(
+    app, backend=connect(os.environ.get("ASGI_DISCONNECT_BACKEND", "sqlite:///demo-generations.db"))
+)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from ._durable import BackendUnavailable, DurableBackend
 from ._memory import MemoryBackend
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    import asyncpg
+
     from .._log import Generation, GenerationInfo
 
-__all__ = ["Backend", "MemoryBackend", "connect"]
+__all__ = ["Backend", "BackendUnavailable", "DurableBackend", "MemoryBackend", "connect"]
 
 
 @runtime_checkable
@@ -21,8 +25,8 @@ class Backend(Protocol):
     The middleware hands each live :class:`Generation` to ``register``; appends and the
     final status are recorded on that object without awaiting anything, and a durable
     backend persists them in batches of its own choosing (it pulls from the object).
-    Readers go through ``get`` and ``follow``, which must work from any process that
-    shares the store.
+    Readers go through ``get``, ``principal_of`` and ``follow``, which work from any
+    process that shares the store.
     """
 
     url: str
@@ -46,11 +50,56 @@ class Backend(Protocol):
         """Its bytes from ``offset``, then live until it ends."""
 
 
-def connect(url: str = "memory://", **options: object) -> Backend:
-    """The backend for ``url``: ``memory://`` for now; SQLite and PostgreSQL are planned."""
-    scheme, sep, _ = url.partition("://")
+def connect(
+    url: str = "memory://",
+    *,
+    pool: asyncpg.Pool | None = None,
+    schema: str | None = None,
+    poll_interval: float | None = None,
+    **options: Any,
+) -> Backend:
+    """The backend for ``url``.
+
+    - ``memory://``: this process only, not durable (``ttl``, ``max_generations``);
+    - ``sqlite:///relative.db`` or ``sqlite:////absolute.db``: the embedded default, safe
+      for several worker processes on one machine;
+    - ``postgresql://user:password@host/db`` (``?schema=name`` or ``schema=``), or
+      ``pool=`` an existing asyncpg pool with ``url="postgresql://"``: several replicas.
+
+    Durable backends take ``flush_interval`` (default 0.05 s), ``flush_max_bytes``,
+    ``lease``, ``sweep_interval``, ``ttl`` (default one day) and ``reap_interval``.
+    Nothing connects until ``open()`` (the middleware calls it at lifespan startup).
+    """
+    scheme, sep, rest = url.partition("://")
     if not sep:
-        raise ValueError(f"backend URL needs a scheme such as 'memory://', got {url!r}")
+        raise ValueError(f"backend URL needs a scheme such as 'sqlite:///app.db', got {url!r}")
+    scheme = scheme.lower()
     if scheme == "memory":
-        return MemoryBackend(**options)  # type: ignore[arg-type]
-    raise ValueError(f"unknown backend URL scheme {scheme!r} in {url!r}; supported: 'memory://'")
+        return MemoryBackend(**options)
+    if scheme == "sqlite":
+        from ._sqlite import SQLiteStore
+
+        if not rest.startswith("/") or rest == "/":
+            raise ValueError(f"SQLite URLs look like 'sqlite:///path/to/file.db', got {url!r}")
+        sqlite = SQLiteStore(rest[1:], url=url, poll_interval=poll_interval or 0.05)
+        return DurableBackend(sqlite, **options)
+    if scheme in ("postgresql", "postgres"):
+        from ._postgres import PostgresStore
+
+        parts = urlsplit(url)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        schema = schema or next((v for k, v in query if k == "schema"), None) or "public"
+        dsn = urlunsplit(
+            parts._replace(query=urlencode([(k, v) for k, v in query if k != "schema"]))
+        )
+        postgres = PostgresStore(
+            None if pool is not None else dsn,
+            pool=pool,
+            schema=schema,
+            poll_interval=poll_interval or 1.0,
+        )
+        return DurableBackend(postgres, **options)
+    raise ValueError(
+        f"unknown backend URL scheme {scheme!r} in {url!r}; "
+        "use 'memory://', 'sqlite:///path.db' or 'postgresql://...'"
+    )

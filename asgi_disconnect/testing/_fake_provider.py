@@ -40,7 +40,7 @@ _REASONS = {
     500: "Internal Server Error",
     529: "Overloaded",
 }
-_TOKEN_HEADER = re.compile(r"[0-9]+")
+_DIGITS = re.compile(r"[0-9]+")
 
 
 def _dumps(value: object) -> bytes:
@@ -490,7 +490,7 @@ def _content_length(headers: dict[str, str]) -> int:
     if "transfer-encoding" in headers:
         raise _HttpError(411, "chunked request bodies are not supported; send Content-Length")
     value = headers.get("content-length", "0")
-    if not _TOKEN_HEADER.fullmatch(value):
+    if not _DIGITS.fullmatch(value):
         raise _HttpError(400, f"invalid Content-Length {value!r}")
     if int(value) > _MAX_BODY:
         raise _HttpError(413, "request body too large")
@@ -514,7 +514,7 @@ def _header_count(headers: dict[str, str], name: str) -> int | None:
     raw = headers.get(name)
     if raw is None:
         return None
-    if not _TOKEN_HEADER.fullmatch(raw.strip()):
+    if not _DIGITS.fullmatch(raw.strip()):
         raise _HttpError(400, f"header {name} must be a non-negative integer, got {raw!r}")
     return int(raw)
 

@@ -433,26 +433,28 @@ class StalledClient:
     async def wait_server_closed(self, timeout: float = 10.0) -> bool:
         """Whether the server closed the connection (EOF or reset) within `timeout`.
 
-        Only what is already readable is consumed (into `body`) on the way to the EOF, so a
-        server that keeps the connection open still sees a client that reads nothing new unless
-        data arrives; `timeout=0` is a non-blocking check.
+        An EOF is only visible after the bytes before it, so whatever is readable meanwhile is
+        read into `body`; `timeout=0` makes this a single non-blocking check.
         """
         exchange = self._exchange
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         while not exchange.server_closed and not exchange.closed:
             try:
                 data = exchange.recv_nowait()
             except ConnectionError:
                 exchange.server_closed = True
                 break
-            if data is None:
-                if not await _wait_readable(exchange.sock, deadline):
-                    return False
-            elif data:
-                exchange.parser.feed(data)
-            else:
+            if data == b"":
                 exchange.server_closed = True
                 exchange.parser.feed_eof()
+            elif data is not None:
+                exchange.parser.feed(data)
+                if loop.time() >= deadline:
+                    return False
+                await asyncio.sleep(0)
+            elif not await _wait_readable(exchange.sock, deadline):
+                return False
         return exchange.server_closed
 
     async def close(self, *, abortive: bool = False) -> None:

@@ -289,7 +289,7 @@ def test_stalled_client_keeps_the_provider_connection_open_then_resumes(
             assert not await client.wait_server_closed(timeout=0)
             assert record.tokens_sent < record.tokens_planned
             assert not record.connection_closed_early
-            result = await client.resume(timeout=30.0)
+            result = await client.resume(timeout=120.0)
             assert await record.await_closed(timeout=5.0)
             assert record.finished
             return result

@@ -1,0 +1,352 @@
+"""What the SQLite and PostgreSQL backends share: batched flushes, leases, sweeps, tails."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from .._log import Generation, GenerationInfo, Status
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+__all__ = ["BackendUnavailable", "DurableBackend", "FlushBatch", "SQLStore"]
+
+logger = logging.getLogger("asgi_disconnect")
+
+
+class BackendUnavailable(ConnectionError):
+    """The store cannot be reached; the message names its URL, password masked."""
+
+
+@dataclass
+class FlushBatch:
+    """Everything one flush writes, in one transaction."""
+
+    owner: str
+    lease: float
+    ttl: float
+    # (id, principal, status_code, content_type, policy, detached)
+    created: list[tuple[str, str, int, str | None, str | None, bool]] = field(default_factory=list)
+    # (generation_id, start, data)
+    chunks: list[tuple[str, int, bytes]] = field(default_factory=list)
+    # (id, policy, detached)
+    changed: list[tuple[str, str | None, bool]] = field(default_factory=list)
+    # (id, status, size, error)
+    finished: list[tuple[str, str, int, str | None]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.created or self.chunks or self.changed or self.finished)
+
+    def touched(self) -> set[str]:
+        ids = {row[0] for row in self.chunks}
+        ids.update(row[0] for row in self.finished)
+        ids.update(row[0] for row in self.changed)
+        return ids
+
+
+class SQLStore(Protocol):
+    """The database half of a durable backend."""
+
+    url: str
+    poll_interval: float
+
+    async def open(self) -> None: ...
+    async def aclose(self) -> None: ...
+    async def flush(self, batch: FlushBatch) -> None: ...
+    async def heartbeat(self, owner: str, lease: float) -> None: ...
+    async def sweep(self, ttl: float) -> list[str]: ...
+    async def reap(self, limit: int) -> int: ...
+    async def info(self, generation_id: str) -> tuple[GenerationInfo, str] | None: ...
+    async def read(self, generation_id: str, offset: int, limit: int) -> bytes: ...
+    async def changed(self, generation_id: str, timeout: float) -> None: ...
+
+
+class _Tracked:
+    """A live generation and how much of it is already durable."""
+
+    __slots__ = ("chunks", "created", "generation", "meta", "size")
+
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+        self.created = False
+        self.chunks = 0
+        self.size = 0
+        self.meta: tuple[str | None, bool] = (generation.policy, generation.detached)
+
+
+class DurableBackend:
+    """Persists live generations chunk by chunk, at most ``flush_interval`` behind.
+
+    Writes are batched: every ``flush_interval`` seconds (and at once again while more than
+    ``flush_max_bytes`` are pending) one transaction inserts new generations, their new
+    chunks and their final status. A ``kill -9`` loses at most the output of the last
+    flush interval plus the flush then under way. Each running generation holds a lease
+    that a heartbeat renews, judged by the database's clock; a sweep marks generations
+    whose owner stopped renewing as ``interrupted``. Finished generations expire ``ttl``
+    seconds after they end and a reaper deletes them in batches.
+    """
+
+    def __init__(
+        self,
+        store: SQLStore,
+        *,
+        flush_interval: float = 0.05,
+        flush_max_bytes: int = 1 << 20,
+        lease: float = 15.0,
+        sweep_interval: float = 5.0,
+        ttl: float = 24 * 3600.0,
+        reap_interval: float = 60.0,
+    ) -> None:
+        if not 0 < flush_interval <= 5:
+            raise ValueError("flush_interval must be in (0, 5] seconds")
+        if flush_max_bytes <= 0:
+            raise ValueError("flush_max_bytes must be positive")
+        if lease <= 3 * flush_interval:
+            raise ValueError("lease must be longer than three flush intervals")
+        if ttl <= 0 or sweep_interval <= 0 or reap_interval <= 0:
+            raise ValueError("ttl, sweep_interval and reap_interval must be positive")
+        self.store = store
+        self.url = store.url
+        self.flush_interval = flush_interval
+        self.flush_max_bytes = flush_max_bytes
+        self.lease = lease
+        self.sweep_interval = sweep_interval
+        self.ttl = ttl
+        self.reap_interval = reap_interval
+        self.owner = secrets.token_hex(8)
+        self._live: dict[str, _Tracked] = {}
+        self._opened = False
+        self._opening: asyncio.Task[None] | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._flush_lock: asyncio.Lock | None = None
+        self._failures = 0
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self._opened:
+            return
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._open())
+        await asyncio.shield(self._opening)
+
+    async def _open(self) -> None:
+        try:
+            await self.store.open()
+        except BackendUnavailable:
+            self._opening = None
+            raise
+        self._flush_lock = asyncio.Lock()
+        interrupted = await self.store.sweep(self.ttl)
+        if interrupted:
+            logger.warning(
+                "marked %d generation(s) interrupted: their owner stopped renewing its lease",
+                len(interrupted),
+            )
+        self._opened = True
+        self._worker = asyncio.ensure_future(self._work())
+
+    async def aclose(self) -> None:
+        if self._opening is not None and not self._opened:
+            try:
+                await self._opening
+            except BackendUnavailable:
+                return
+        if not self._opened:
+            return
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+        try:
+            while await self.flush():
+                pass
+        except Exception:
+            logger.exception("final flush to %s failed; recent output is lost", self.url)
+        self._opened = False
+        self._opening = None
+        await self.store.aclose()
+
+    async def __aenter__(self) -> DurableBackend:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def register(self, generation: Generation) -> None:
+        self._live[generation.id] = _Tracked(generation)
+        if not self._opened and self._opening is None:
+            # No lifespan ran: open on first use.
+            self._opening = asyncio.ensure_future(self._open())
+            self._opening.add_done_callback(_log_open_failure)
+
+    # -- the background worker ----------------------------------------------------------
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_heartbeat = next_sweep = loop.time()
+        next_reap = loop.time() + self.reap_interval
+        while True:
+            started = loop.time()
+            try:
+                while await self.flush():
+                    pass
+                if started >= next_heartbeat:
+                    await self.store.heartbeat(self.owner, self.lease)
+                    next_heartbeat = started + self.lease / 3
+                if started >= next_sweep:
+                    for generation_id in await self.store.sweep(self.ttl):
+                        logger.warning(
+                            "generation %s interrupted: its owner is gone", generation_id
+                        )
+                    next_sweep = started + self.sweep_interval
+                if started >= next_reap:
+                    while await self.store.reap(1000) == 1000:
+                        pass
+                    next_reap = started + self.reap_interval
+                if self._failures:
+                    logger.warning("%s is reachable again; pending output was written", self.url)
+                self._failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._failures += 1
+                if self._failures == 1 or self._failures % 100 == 0:
+                    logger.warning(
+                        "writing to %s failed (%s); output is kept in memory and retried",
+                        self.url,
+                        exc,
+                    )
+            delay = self.flush_interval if not self._failures else min(1.0, self.flush_interval * 4)
+            await asyncio.sleep(max(0.0, started + delay - loop.time()))
+
+    async def flush(self) -> bool:
+        """Write what is pending; True if it stopped at ``flush_max_bytes`` with more left."""
+        lock = self._flush_lock
+        assert lock is not None
+        async with lock:
+            batch, more, done = self._collect()
+            if batch:
+                await self.store.flush(batch)
+                self._committed(batch, done)
+            return more
+
+    def _collect(self) -> tuple[FlushBatch, bool, list[_Tracked]]:
+        batch = FlushBatch(owner=self.owner, lease=self.lease, ttl=self.ttl)
+        budget = self.flush_max_bytes
+        more = False
+        done: list[_Tracked] = []
+        for tracked in list(self._live.values()):
+            generation = tracked.generation
+            # Read the status first: a generation that ends meanwhile is flushed next time.
+            status = generation.status
+            if not tracked.created:
+                batch.created.append(
+                    (
+                        generation.id,
+                        generation.principal,
+                        generation.status_code,
+                        generation.content_type,
+                        generation.policy,
+                        generation.detached,
+                    )
+                )
+            count = generation.chunk_count
+            start = tracked.size
+            taken = tracked.chunks
+            for chunk in generation.chunks_from(tracked.chunks)[: count - tracked.chunks]:
+                if budget <= 0:
+                    more = True
+                    break
+                batch.chunks.append((generation.id, start, chunk))
+                start += len(chunk)
+                budget -= len(chunk)
+                taken += 1
+            complete = taken == count
+            meta = (generation.policy, generation.detached)
+            if tracked.created and meta != tracked.meta:
+                batch.changed.append((generation.id, meta[0], meta[1]))
+            if status is not Status.RUNNING and complete:
+                batch.finished.append((generation.id, status.value, start, generation.error))
+                done.append(tracked)
+        return batch, more, done
+
+    def _committed(self, batch: FlushBatch, done: list[_Tracked]) -> None:
+        ends: dict[str, tuple[int, int]] = {}
+        for generation_id, start, data in batch.chunks:
+            count, _ = ends.get(generation_id, (0, 0))
+            ends[generation_id] = (count + 1, start + len(data))
+        for row in batch.created:
+            tracked = self._live.get(row[0])
+            if tracked is not None:
+                tracked.created = True
+                tracked.meta = (row[4], row[5])
+        for generation_id, (count, end) in ends.items():
+            tracked = self._live.get(generation_id)
+            if tracked is not None:
+                tracked.chunks += count
+                tracked.size = end
+        for generation_id, policy, detached in batch.changed:
+            tracked = self._live.get(generation_id)
+            if tracked is not None:
+                tracked.meta = (policy, detached)
+        for tracked in done:
+            self._live.pop(tracked.generation.id, None)
+
+    # -- reads --------------------------------------------------------------------------
+
+    async def _ensure_open(self) -> None:
+        if not self._opened:
+            await self.open()
+
+    async def get(self, generation_id: str) -> GenerationInfo | None:
+        tracked = self._live.get(generation_id)
+        if tracked is not None:
+            return tracked.generation.info()
+        await self._ensure_open()
+        found = await self.store.info(generation_id)
+        return None if found is None else found[0]
+
+    async def principal_of(self, generation_id: str) -> str | None:
+        tracked = self._live.get(generation_id)
+        if tracked is not None:
+            return tracked.generation.principal
+        await self._ensure_open()
+        found = await self.store.info(generation_id)
+        return None if found is None else found[1]
+
+    async def follow(self, generation_id: str, offset: int) -> AsyncIterator[bytes]:
+        tracked = self._live.get(generation_id)
+        if tracked is not None:
+            # Produced here: read the live log, which is ahead of the database.
+            async for data in tracked.generation.follow(offset):
+                yield data
+            return
+        await self._ensure_open()
+        store = self.store
+        while True:
+            found = await store.info(generation_id)
+            if found is None:
+                return
+            data = await store.read(generation_id, offset, 1 << 20)
+            if data:
+                offset += len(data)
+                yield data
+                continue
+            if found[0].status is not Status.RUNNING:
+                return
+            await store.changed(generation_id, store.poll_interval)
+
+    def pending_bytes(self) -> int:
+        """Bytes produced in this process and not yet durable."""
+        return sum(t.generation.size - t.size for t in self._live.values())
+
+
+def _log_open_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("opening the backend failed: %s", task.exception())

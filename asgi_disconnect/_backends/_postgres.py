@@ -1,0 +1,378 @@
+"""PostgreSQL through asyncpg: several replicas, one schema, live tails by LISTEN/NOTIFY."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+from .._log import GenerationInfo, Status
+from ._durable import BackendUnavailable, FlushBatch
+
+if TYPE_CHECKING:
+    import asyncpg
+
+__all__ = ["SCHEMA_VERSION", "PostgresStore", "mask_url"]
+
+logger = logging.getLogger("asgi_disconnect")
+
+SCHEMA_VERSION = 1
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+_NOTIFY_PAYLOAD = 7000
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+class PostgresStore:
+    """An asyncpg pool (yours or its own) and one listening connection.
+
+    Writes are one transaction per flush; chunk inserts are a single ``unnest`` statement
+    and ``on conflict do nothing``, so a flush retried after an ambiguous commit writes
+    nothing twice. Readers in other replicas wake on ``NOTIFY`` and poll every
+    ``poll_interval`` seconds in case a notification was missed.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        pool: asyncpg.Pool | None = None,
+        schema: str = "public",
+        poll_interval: float = 1.0,
+        min_size: int = 1,
+        max_size: int = 4,
+    ) -> None:
+        if dsn is None and pool is None:
+            raise ValueError("PostgresStore needs a DSN or a pool")
+        if not _SCHEMA_NAME.fullmatch(schema):
+            raise ValueError(f"schema must be a lower-case SQL identifier, not {schema!r}")
+        self.dsn = dsn
+        self.url = mask_url(dsn) if dsn else "postgresql://(pool)"
+        self.schema = schema
+        self.poll_interval = poll_interval
+        self._pool = pool
+        self._own_pool = pool is None
+        self._min_size = min_size
+        self._max_size = max_size
+        self._listener: asyncpg.Connection | None = None
+        self._listening: asyncio.Task[None] | None = None
+        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self.channel = f"asgi_disconnect_{schema}"
+        t = f'"{schema}".asgi_disconnect_'
+        self._t = t
+        self._sql = _statements(t)
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        assert self._pool is not None, "the store is not open"
+        return self._pool
+
+    async def open(self) -> None:
+        import asyncpg
+
+        if self._pool is None:
+            try:
+                self._pool = await asyncpg.create_pool(
+                    self.dsn, min_size=self._min_size, max_size=self._max_size, timeout=10
+                )
+            except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+                raise BackendUnavailable(f"cannot connect to {self.url}: {exc}") from exc
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                await conn.execute("select pg_advisory_xact_lock(hashtext('asgi_disconnect'))")
+                await conn.execute(f'create schema if not exists "{self.schema}"')
+                await conn.execute(_schema(self._t))
+                version = await conn.fetchval(
+                    f"select value from {self._t}meta where key = 'schema_version'"
+                )
+                if version is None:
+                    await conn.execute(
+                        f"insert into {self._t}meta (key, value) values ('schema_version', $1)",
+                        str(SCHEMA_VERSION),
+                    )
+                elif int(version) > SCHEMA_VERSION:
+                    raise BackendUnavailable(
+                        f"{self.url} has schema version {version}, newer than this package "
+                        f"supports ({SCHEMA_VERSION}); upgrade asgi-disconnect"
+                    )
+        except BaseException as exc:
+            if self._own_pool:
+                await self.pool.close()
+                self._pool = None
+            if isinstance(exc, (OSError, asyncpg.PostgresError)):
+                raise BackendUnavailable(f"cannot prepare {self.url}: {exc}") from exc
+            raise
+        self._listening = asyncio.ensure_future(self._listen_forever())
+
+    async def aclose(self) -> None:
+        if self._listening is not None:
+            self._listening.cancel()
+            await asyncio.gather(self._listening, return_exceptions=True)
+            self._listening = None
+        await self._drop_listener()
+        if self._own_pool and self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    # -- LISTEN ---------------------------------------------------------------------
+
+    async def _listen_forever(self) -> None:
+        while True:
+            try:
+                if self._listener is None or self._listener.is_closed():
+                    await self._drop_listener()
+                    conn = await self.pool.acquire()
+                    await conn.add_listener(self.channel, self._notified)
+                    self._listener = conn
+                    self._wake_all()  # anything missed while not listening
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.debug("LISTEN on %s failed (%s); polling meanwhile", self.url, exc)
+            await asyncio.sleep(self.poll_interval)
+
+    async def _drop_listener(self) -> None:
+        conn, self._listener = self._listener, None
+        if conn is None:
+            return
+        with contextlib.suppress(Exception):
+            if not conn.is_closed():
+                await conn.remove_listener(self.channel, self._notified)
+        # A connection that died with the server is discarded by the pool on release.
+        with contextlib.suppress(Exception):
+            await self.pool.release(conn)
+
+    def _notified(self, conn: Any, pid: int, channel: str, payload: str) -> None:
+        for generation_id in payload.split(","):
+            self._wake(generation_id)
+
+    def _wake(self, generation_id: str) -> None:
+        for waiter in self._waiters.pop(generation_id, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _wake_all(self) -> None:
+        for generation_id in list(self._waiters):
+            self._wake(generation_id)
+
+    async def changed(self, generation_id: str, timeout: float) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(generation_id, set()).add(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            waiters = self._waiters.get(generation_id)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiters[generation_id]
+
+    # -- writes ---------------------------------------------------------------------
+
+    async def flush(self, batch: FlushBatch) -> None:
+        sql = self._sql
+        async with self.pool.acquire() as conn, conn.transaction():
+            if batch.created:
+                await conn.execute(
+                    sql["create"],
+                    [r[0] for r in batch.created],
+                    [r[1] for r in batch.created],
+                    [r[4] for r in batch.created],
+                    [r[5] for r in batch.created],
+                    [r[2] for r in batch.created],
+                    [r[3] for r in batch.created],
+                    batch.owner,
+                    batch.lease,
+                )
+            if batch.chunks:
+                await conn.execute(
+                    sql["chunks"],
+                    [r[0] for r in batch.chunks],
+                    [r[1] for r in batch.chunks],
+                    [r[2] for r in batch.chunks],
+                )
+                ends: dict[str, int] = {}
+                for generation_id, start, data in batch.chunks:
+                    ends[generation_id] = start + len(data)
+                await conn.execute(sql["sizes"], list(ends), list(ends.values()))
+            if batch.changed:
+                await conn.execute(
+                    sql["changed"],
+                    [r[0] for r in batch.changed],
+                    [r[1] for r in batch.changed],
+                    [r[2] for r in batch.changed],
+                    batch.owner,
+                )
+            if batch.finished:
+                await conn.execute(
+                    sql["finished"],
+                    [r[0] for r in batch.finished],
+                    [r[1] for r in batch.finished],
+                    [r[2] for r in batch.finished],
+                    [r[3] for r in batch.finished],
+                    batch.owner,
+                    batch.ttl,
+                )
+            touched = sorted(batch.touched())
+            payload: list[str] = []
+            size = 0
+            for generation_id in touched:
+                if size + len(generation_id) + 1 > _NOTIFY_PAYLOAD:
+                    await conn.execute("select pg_notify($1, $2)", self.channel, ",".join(payload))
+                    payload, size = [], 0
+                payload.append(generation_id)
+                size += len(generation_id) + 1
+            if payload:
+                await conn.execute("select pg_notify($1, $2)", self.channel, ",".join(payload))
+
+    async def heartbeat(self, owner: str, lease: float) -> None:
+        await self.pool.execute(self._sql["heartbeat"], owner, lease)
+
+    async def sweep(self, ttl: float) -> list[str]:
+        rows = await self.pool.fetch(self._sql["sweep"], ttl)
+        ids = [row[0] for row in rows]
+        if ids:
+            await self.pool.execute("select pg_notify($1, $2)", self.channel, ",".join(ids)[:7000])
+        return ids
+
+    async def reap(self, limit: int) -> int:
+        async with self.pool.acquire() as conn, conn.transaction():
+            ids = [row[0] for row in await conn.fetch(self._sql["expired"], limit)]
+            if ids:
+                await conn.execute(
+                    f"delete from {self._t}chunks where generation_id = any($1)", ids
+                )
+                await conn.execute(f"delete from {self._t}generations where id = any($1)", ids)
+        return len(ids)
+
+    # -- reads ----------------------------------------------------------------------
+
+    async def info(self, generation_id: str) -> tuple[GenerationInfo, str] | None:
+        row = await self.pool.fetchrow(self._sql["info"], generation_id)
+        if row is None:
+            return None
+        return (
+            GenerationInfo(
+                id=row[0],
+                status=Status(row[1]),
+                policy=row[2],
+                size=row[3],
+                status_code=row[4],
+                content_type=row[5],
+                created_at=row[6],
+                finished_at=row[7],
+                detached=row[8],
+                error=row[9],
+            ),
+            row[10],
+        )
+
+    async def read(self, generation_id: str, offset: int, limit: int) -> bytes:
+        rows = await self.pool.fetch(self._sql["read"], generation_id, offset, 256)
+        parts: list[bytes] = []
+        total = 0
+        for start, data in rows:
+            if start < offset:
+                data = data[offset - start :]
+            if not data:
+                continue
+            parts.append(data)
+            total += len(data)
+            if total >= limit:
+                break
+        return b"".join(parts)
+
+
+def _schema(t: str) -> str:
+    return f"""
+create table if not exists {t}meta (key text primary key, value text not null);
+create table if not exists {t}generations (
+    id text primary key,
+    principal text not null,
+    status text not null,
+    policy text,
+    detached boolean not null default false,
+    status_code integer not null,
+    content_type text,
+    size bigint not null default 0,
+    owner text,
+    lease_until timestamptz,
+    created_at timestamptz not null default now(),
+    finished_at timestamptz,
+    expires_at timestamptz,
+    error text
+);
+create index if not exists asgi_disconnect_generations_lease
+    on {t}generations (status, lease_until);
+create index if not exists asgi_disconnect_generations_expiry
+    on {t}generations (expires_at);
+create table if not exists {t}chunks (
+    generation_id text not null,
+    start bigint not null,
+    data bytea not null,
+    primary key (generation_id, start)
+);
+"""
+
+
+def _statements(t: str) -> dict[str, str]:
+    lease = "now() + make_interval(secs => $8)"
+    return {
+        "create": f"""
+            insert into {t}generations
+                (id, principal, status, policy, detached, status_code, content_type, owner,
+                 lease_until)
+            select id, principal, 'running', policy, detached, status_code, content_type, $7,
+                   {lease}
+            from unnest($1::text[], $2::text[], $3::text[], $4::boolean[], $5::int[], $6::text[])
+                as r(id, principal, policy, detached, status_code, content_type)
+            on conflict (id) do nothing""",
+        "chunks": f"""
+            insert into {t}chunks (generation_id, start, data)
+            select * from unnest($1::text[], $2::bigint[], $3::bytea[])
+            on conflict do nothing""",
+        "sizes": f"""
+            update {t}generations g set size = r.size
+            from unnest($1::text[], $2::bigint[]) as r(id, size)
+            where g.id = r.id and g.size < r.size""",
+        "changed": f"""
+            update {t}generations g set policy = r.policy, detached = r.detached
+            from unnest($1::text[], $2::text[], $3::boolean[]) as r(id, policy, detached)
+            where g.id = r.id and g.owner = $4""",
+        "finished": f"""
+            update {t}generations g
+            set status = r.status, size = r.size, error = r.error, finished_at = now(),
+                expires_at = now() + make_interval(secs => $6), lease_until = null
+            from unnest($1::text[], $2::text[], $3::bigint[], $4::text[])
+                as r(id, status, size, error)
+            where g.id = r.id and g.owner = $5 and g.status = 'running'""",
+        "heartbeat": f"""
+            update {t}generations set lease_until = now() + make_interval(secs => $2)
+            where owner = $1 and status = 'running'""",
+        "sweep": f"""
+            update {t}generations
+            set status = 'interrupted', finished_at = now(),
+                expires_at = now() + make_interval(secs => $1), lease_until = null,
+                error = 'its owner stopped renewing its lease'
+            where status = 'running' and lease_until < now()
+            returning id""",
+        "expired": f"select id from {t}generations where expires_at < now() limit $1",
+        "info": f"""
+            select id, status, policy, size, status_code, content_type,
+                   extract(epoch from created_at)::float8, extract(epoch from finished_at)::float8,
+                   detached, error, principal
+            from {t}generations
+            where id = $1 and (expires_at is null or expires_at > now())""",
+        "read": f"""
+            select start, data from {t}chunks
+            where generation_id = $1 and start >= coalesce(
+                (select max(start) from {t}chunks where generation_id = $1 and start <= $2), 0)
+            order by start limit $3""",
+    }

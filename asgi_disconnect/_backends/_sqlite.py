@@ -1,0 +1,285 @@
+"""The embedded default: stdlib ``sqlite3`` in a thread of its own, WAL, several processes."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .._log import GenerationInfo, Status
+from ._durable import BackendUnavailable, FlushBatch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["SCHEMA_VERSION", "SQLiteStore"]
+
+SCHEMA_VERSION = 1
+_T = TypeVar("_T")
+
+# The database's clock, as Unix seconds: every lease and expiry is judged by it.
+_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+
+_SCHEMA = """
+create table if not exists asgi_disconnect_meta (
+    key text primary key,
+    value text not null
+);
+create table if not exists asgi_disconnect_generations (
+    id text primary key,
+    principal text not null,
+    status text not null,
+    policy text,
+    detached integer not null default 0,
+    status_code integer not null,
+    content_type text,
+    size integer not null default 0,
+    owner text,
+    lease_until real,
+    created_at real not null,
+    finished_at real,
+    expires_at real,
+    error text
+);
+create index if not exists asgi_disconnect_generations_lease
+    on asgi_disconnect_generations (status, lease_until);
+create index if not exists asgi_disconnect_generations_expiry
+    on asgi_disconnect_generations (expires_at);
+create table if not exists asgi_disconnect_chunks (
+    generation_id text not null,
+    start integer not null,
+    data blob not null,
+    primary key (generation_id, start)
+) without rowid;
+"""
+
+_INFO = f"""
+select id, status, policy, size, status_code, content_type, created_at, finished_at,
+       detached, error, principal
+from asgi_disconnect_generations
+where id = ? and (expires_at is null or expires_at > {_NOW})
+"""
+
+
+class SQLiteStore:
+    """One connection per process, used from one thread, so the event loop never blocks.
+
+    WAL lets readers in other worker processes run beside the writer; ``busy_timeout``
+    makes writers wait for each other instead of failing.
+    """
+
+    def __init__(self, path: str, *, url: str | None = None, poll_interval: float = 0.05) -> None:
+        self.path = path
+        self.url = url or f"sqlite:///{path}"
+        self.poll_interval = poll_interval
+        self._executor: ThreadPoolExecutor | None = None
+        self._db: sqlite3.Connection | None = None
+
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        assert self._executor is not None
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def open(self) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="asgi-disconnect-sqlite")
+        try:
+            await self._run(self._open)
+        except sqlite3.Error as exc:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+            raise BackendUnavailable(f"cannot open {self.url}: {exc}") from exc
+
+    def _open(self) -> None:
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
+        db.execute("pragma busy_timeout = 10000")
+        db.execute("pragma journal_mode = wal")
+        # In WAL mode NORMAL survives a process crash; only an OS crash can lose a commit.
+        db.execute("pragma synchronous = normal")
+        db.execute("begin immediate")
+        try:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            row = db.execute(
+                "select value from asgi_disconnect_meta where key = 'schema_version'"
+            ).fetchone()
+            if row is None:
+                db.execute(
+                    "insert into asgi_disconnect_meta (key, value) values ('schema_version', ?)",
+                    (str(SCHEMA_VERSION),),
+                )
+            elif int(row[0]) > SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(
+                    f"schema version {row[0]} is newer than this package supports "
+                    f"({SCHEMA_VERSION}); upgrade asgi-disconnect"
+                )
+            db.execute("commit")
+        except BaseException:
+            db.execute("rollback")
+            db.close()
+            raise
+        self._db = db
+
+    async def aclose(self) -> None:
+        if self._executor is None:
+            return
+        await self._run(self._close)
+        self._executor.shutdown(wait=True)
+        self._executor = None
+
+    def _close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def _write(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        db = self._db
+        assert db is not None
+        db.execute("begin immediate")
+        try:
+            result = fn(db)
+        except BaseException:
+            db.execute("rollback")
+            raise
+        db.execute("commit")
+        return result
+
+    async def flush(self, batch: FlushBatch) -> None:
+        await self._run(self._write, lambda db: _flush(db, batch))
+
+    async def heartbeat(self, owner: str, lease: float) -> None:
+        def renew(db: sqlite3.Connection) -> None:
+            db.execute(
+                f"update asgi_disconnect_generations set lease_until = {_NOW} + ? "
+                "where owner = ? and status = 'running'",
+                (lease, owner),
+            )
+
+        await self._run(self._write, renew)
+
+    async def sweep(self, ttl: float) -> list[str]:
+        def interrupt(db: sqlite3.Connection) -> list[str]:
+            rows = db.execute(
+                f"update asgi_disconnect_generations set status = 'interrupted', "
+                f"finished_at = {_NOW}, expires_at = {_NOW} + ?, lease_until = null, "
+                "error = 'its owner stopped renewing its lease' "
+                f"where status = 'running' and lease_until < {_NOW} returning id",
+                (ttl,),
+            ).fetchall()
+            return [row[0] for row in rows]
+
+        return await self._run(self._write, interrupt)
+
+    async def reap(self, limit: int) -> int:
+        def delete(db: sqlite3.Connection) -> int:
+            ids = [
+                (row[0],)
+                for row in db.execute(
+                    f"select id from asgi_disconnect_generations where expires_at < {_NOW} limit ?",
+                    (limit,),
+                )
+            ]
+            db.executemany("delete from asgi_disconnect_chunks where generation_id = ?", ids)
+            db.executemany("delete from asgi_disconnect_generations where id = ?", ids)
+            return len(ids)
+
+        return await self._run(self._write, delete)
+
+    async def info(self, generation_id: str) -> tuple[GenerationInfo, str] | None:
+        return await self._run(self._info, generation_id)
+
+    def _info(self, generation_id: str) -> tuple[GenerationInfo, str] | None:
+        assert self._db is not None
+        row = self._db.execute(_INFO, (generation_id,)).fetchone()
+        if row is None:
+            return None
+        return (
+            GenerationInfo(
+                id=row[0],
+                status=Status(row[1]),
+                policy=row[2],
+                size=row[3],
+                status_code=row[4],
+                content_type=row[5],
+                created_at=row[6],
+                finished_at=row[7],
+                detached=bool(row[8]),
+                error=row[9],
+            ),
+            row[10],
+        )
+
+    async def read(self, generation_id: str, offset: int, limit: int) -> bytes:
+        return await self._run(self._read, generation_id, offset, limit)
+
+    def _read(self, generation_id: str, offset: int, limit: int) -> bytes:
+        assert self._db is not None
+        rows = self._db.execute(
+            "select start, data from asgi_disconnect_chunks where generation_id = ?1 and start >= "
+            "coalesce((select max(start) from asgi_disconnect_chunks "
+            "where generation_id = ?1 and start <= ?2), 0) order by start",
+            (generation_id, offset),
+        )
+        return _join(rows, offset, limit)
+
+    async def changed(self, generation_id: str, timeout: float) -> None:
+        await asyncio.sleep(timeout)
+
+
+def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:
+    if batch.created:
+        db.executemany(
+            "insert into asgi_disconnect_generations (id, principal, status, policy, detached, "
+            "status_code, content_type, owner, lease_until, created_at) "
+            f"values (?, ?, 'running', ?, ?, ?, ?, ?, {_NOW} + ?, {_NOW}) "
+            "on conflict (id) do nothing",
+            [
+                (gid, principal, policy, int(detached), code, ctype, batch.owner, batch.lease)
+                for gid, principal, code, ctype, policy, detached in batch.created
+            ],
+        )
+    if batch.chunks:
+        db.executemany(
+            "insert into asgi_disconnect_chunks (generation_id, start, data) values (?, ?, ?) "
+            "on conflict do nothing",
+            batch.chunks,
+        )
+        ends: dict[str, int] = {}
+        for generation_id, start, data in batch.chunks:
+            ends[generation_id] = start + len(data)
+        db.executemany(
+            "update asgi_disconnect_generations set size = ? where id = ? and size < ?",
+            [(end, gid, end) for gid, end in ends.items()],
+        )
+    if batch.changed:
+        db.executemany(
+            "update asgi_disconnect_generations set policy = ?, detached = ? "
+            "where id = ? and owner = ?",
+            [(policy, int(detached), gid, batch.owner) for gid, policy, detached in batch.changed],
+        )
+    if batch.finished:
+        # Fenced by the owner token: a generation swept as interrupted stays so.
+        db.executemany(
+            f"update asgi_disconnect_generations set status = ?, size = ?, error = ?, "
+            f"finished_at = {_NOW}, expires_at = {_NOW} + ?, lease_until = null "
+            "where id = ? and owner = ? and status = 'running'",
+            [
+                (status, size, error, batch.ttl, gid, batch.owner)
+                for gid, status, size, error in batch.finished
+            ],
+        )
+
+
+def _join(rows: Any, offset: int, limit: int) -> bytes:
+    parts: list[bytes] = []
+    total = 0
+    for start, data in rows:
+        if start < offset:
+            data = bytes(data)[offset - start :]
+        if not data:
+            continue
+        parts.append(bytes(data))
+        total += len(data)
+        if total >= limit:
+            break
+    return b"".join(parts)

@@ -1,0 +1,219 @@
+"""Durable generations across a SIGKILL, across replicas, and across a database restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from asgi_disconnect import connect
+from asgi_disconnect._backends import DurableBackend
+from asgi_disconnect._log import Generation, Status
+from asgi_disconnect.testing import request
+
+pytestmark = [pytest.mark.anyio, pytest.mark.server]
+
+ROOT = Path(__file__).resolve().parents[2]
+FLUSH_INTERVAL = 0.05
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def server_process(
+    url: str, *, lease: float = 15.0
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """uvicorn serving tests.integration.durable_app in a process of its own."""
+    port = _free_port()
+    env = {
+        **os.environ,
+        "ASGI_DISCONNECT_URL": url,
+        "ASGI_DISCONNECT_LEASE": str(lease),
+        "ASGI_DISCONNECT_FLUSH_INTERVAL": str(FLUSH_INTERVAL),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "tests.integration.durable_app:app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def parse(body: bytes) -> list[tuple[int, float]]:
+    events = []
+    for frame in body.split(b"\n\n"):
+        if frame.startswith(b"data: "):
+            index, stamp = frame[6:].split()
+            events.append((int(index), float(stamp)))
+    return events
+
+
+async def status(base: str, generation_id: str) -> dict[str, object]:
+    async with httpx.AsyncClient() as client:
+        response = await client.get(f"{base}/generations/{generation_id}")
+    assert response.status_code == 200, response.text
+    return msgspec.json.decode(response.content)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def shared_url(request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+async def test_sigkill_keeps_what_was_flushed_and_marks_it_interrupted(shared_url: str) -> None:
+    with server_process(shared_url, lease=1.0) as (first, proc):
+        started = await request(
+            first + "/produce?n=100000&interval=0.005", disconnect_after_bytes=50
+        )
+        generation_id = started.headers["x-generation-id"]
+        await asyncio.sleep(1.0)
+        killed_at = time.time()
+        proc.kill()
+        proc.wait()
+    with server_process(shared_url, lease=1.0) as (second, _):
+        async with asyncio.timeout(15):
+            while (info := await status(second, generation_id))["status"] == "running":
+                await asyncio.sleep(0.1)
+        assert info["status"] == "interrupted"
+        async with httpx.AsyncClient() as client:
+            replay = await client.get(f"{second}/generations/{generation_id}/stream")
+    events = parse(replay.content.split(b"event: error")[0])
+    assert [i for i, _ in events] == list(range(len(events))), "a gap or a duplicate"
+    assert replay.content.endswith(b"\n\n")
+    assert b'event: error\ndata: {"error":{"type":"interrupted"' in replay.content
+    lost_window = killed_at - events[-1][1]
+    print(
+        f"{shared_url.split(':')[0]}: {len(events)} events kept; the newest was produced "
+        f"{lost_window * 1000:.0f} ms before the kill "
+        f"(flush interval {FLUSH_INTERVAL * 1000:.0f} ms)"
+    )
+    # Every event older than one flush interval (plus one flush's own time) survived.
+    assert lost_window < FLUSH_INTERVAL + 0.1
+    assert int(info["size"]) == len(replay.content.split(b"event: error")[0])  # type: ignore[call-overload]
+
+
+async def test_a_replica_resumes_live_and_ends_when_the_owner_finishes(shared_url: str) -> None:
+    with server_process(shared_url) as (a, _), server_process(shared_url) as (b, _):
+        first = await request(a + "/produce?n=150&interval=0.01", disconnect_after_bytes=100)
+        generation_id = first.headers["x-generation-id"]
+        offset = len(first.body)
+        async with (
+            httpx.AsyncClient(timeout=30) as client,
+            client.stream(
+                "GET", f"{b}/generations/{generation_id}/stream", params={"offset": offset}
+            ) as live,
+        ):
+            assert live.status_code == 200
+            rest = b"".join([chunk async for chunk in live.aiter_raw()])
+            ended_at = time.time()
+        info = await status(b, generation_id)
+    events = parse(first.body + rest)
+    assert [i for i, _ in events] == list(range(150))
+    assert info["status"] == "complete"
+    assert info["size"] == len(first.body + rest)
+    lag = ended_at - events[-1][1]
+    print(
+        f"{shared_url.split(':')[0]}: the replica's stream ended {lag * 1000:.0f} ms after "
+        "the last event was produced on the owner"
+    )
+    assert lag < 1.0
+
+
+@pytest.mark.postgres
+async def test_postgres_restart_mid_generation_loses_and_duplicates_nothing(
+    postgres_url: str,
+) -> None:
+    ctl = shutil.which("pg_ctlcluster")
+    if ctl is None:
+        pytest.fail("pg_ctlcluster is needed to restart PostgreSQL in this test")
+    version = sorted(os.listdir("/etc/postgresql"))[-1]
+    backend = connect(postgres_url, flush_interval=FLUSH_INTERVAL)
+    assert isinstance(backend, DurableBackend)
+    await backend.open()
+    generation = Generation("gen_" + "R" * 24, principal="")
+    backend.register(generation)
+
+    async def produce() -> None:
+        for i in range(400):
+            generation.append(b"chunk %04d;" % i)
+            await asyncio.sleep(0.01)
+        generation.finish(Status.COMPLETE)
+
+    try:
+        producer = asyncio.ensure_future(produce())
+        await asyncio.sleep(0.5)
+        restart = await asyncio.create_subprocess_exec(
+            ctl,
+            "--skip-systemctl-redirect",
+            version,
+            "main",
+            "restart",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await restart.communicate()
+        assert restart.returncode == 0, err.decode()
+        await producer
+        async with asyncio.timeout(30):
+            while backend.pending_bytes() or (await backend.get(generation.id)) is None:
+                await asyncio.sleep(0.05)
+            while (await backend.get(generation.id)).status is Status.RUNNING:  # type: ignore[union-attr]
+                await asyncio.sleep(0.05)
+    finally:
+        await backend.aclose()
+    reader = connect(postgres_url)
+    await reader.open()
+    try:
+        stored = b"".join([chunk async for chunk in reader.follow(generation.id, 0)])
+        info = await reader.get(generation.id)
+    finally:
+        await reader.aclose()
+    assert stored == generation.read(0)
+    assert stored.count(b";") == 400
+    assert info is not None
+    assert info.status is Status.COMPLETE

@@ -1,0 +1,329 @@
+"""The backend contract on memory, SQLite and PostgreSQL, and what durability promises."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import asyncpg
+import pytest
+
+from asgi_disconnect import BackendUnavailable, DisconnectMiddleware, connect
+from asgi_disconnect._backends import Backend, DurableBackend
+from asgi_disconnect._log import Generation, Status
+from asgi_disconnect.testing import drive
+from tests.apps import Probe, sse_app
+
+pytestmark = pytest.mark.anyio
+
+GID = "gen_" + "A" * 24
+
+
+def durable(url: str, **options: object) -> DurableBackend:
+    options.setdefault("flush_interval", 0.02)
+    backend = connect(url, **options)  # type: ignore[arg-type]
+    assert isinstance(backend, DurableBackend)
+    return backend
+
+
+async def read_all(backend: Backend, generation_id: str, offset: int = 0) -> bytes:
+    return b"".join([chunk async for chunk in backend.follow(generation_id, offset)])
+
+
+async def settle(backend: DurableBackend) -> None:
+    while await backend.flush():
+        pass
+
+
+async def test_round_trip(backend_url: str) -> None:
+    backend = connect(backend_url)
+    await backend.open()
+    try:
+        generation = Generation(GID, principal="alice", content_type="text/event-stream")
+        backend.register(generation)
+        for i in range(50):
+            generation.append(b"data: %d\n\n" % i)
+        generation.policy = "detach"
+        generation.detached = True
+        generation.finish(Status.COMPLETE)
+        body = generation.read(0)
+        if isinstance(backend, DurableBackend):
+            await settle(backend)
+            assert backend.pending_bytes() == 0
+        info = await backend.get(GID)
+        assert info is not None
+        assert info.status is Status.COMPLETE
+        assert info.size == len(body)
+        assert info.policy == "detach"
+        assert info.detached is True
+        assert info.content_type == "text/event-stream"
+        assert await backend.principal_of(GID) == "alice"
+        assert await read_all(backend, GID) == body
+        assert await read_all(backend, GID, 7) == body[7:]
+        assert await read_all(backend, GID, len(body)) == b""
+        assert await backend.get("gen_" + "B" * 24) is None
+        assert await backend.principal_of("gen_" + "B" * 24) is None
+        assert await read_all(backend, "gen_" + "B" * 24) == b""
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_another_process_reads_and_follows_live(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    url = request.getfixturevalue(f"{kind}_url")
+    writer = durable(url)
+    reader = durable(url, poll_interval=0.02)
+    await writer.open()
+    await reader.open()
+    try:
+        generation = Generation(GID, principal="alice")
+        writer.register(generation)
+        generation.append(b"first;")
+        await settle(writer)
+
+        async def produce() -> None:
+            for i in range(20):
+                generation.append(b"chunk %d;" % i)
+                await asyncio.sleep(0.01)
+            generation.finish(Status.COMPLETE)
+
+        producer = asyncio.ensure_future(produce())
+        async with asyncio.timeout(10):
+            followed = await read_all(reader, GID, 2)
+        await producer
+        assert followed == generation.read(0)[2:]
+        info = await reader.get(GID)
+        assert info is not None
+        assert info.status is Status.COMPLETE
+    finally:
+        await writer.aclose()
+        await reader.aclose()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_chunks_are_batched_not_one_statement_each(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    backend = durable(request.getfixturevalue(f"{kind}_url"), flush_interval=0.05)
+    await backend.open()
+    flushes = 0
+    original = backend.store.flush
+
+    async def counting(batch):  # type: ignore[no-untyped-def]
+        nonlocal flushes
+        flushes += 1
+        await original(batch)
+
+    backend.store.flush = counting  # type: ignore[method-assign]
+    try:
+        generation = Generation(GID, principal="")
+        backend.register(generation)
+        started = time.monotonic()
+        for i in range(1000):
+            generation.append(b"x%d" % i)
+            if i % 100 == 0:
+                await asyncio.sleep(0.01)
+        generation.finish(Status.COMPLETE)
+        async with asyncio.timeout(5):
+            while backend.pending_bytes() or (await backend.get(GID)).status is Status.RUNNING:  # type: ignore[union-attr]
+                await asyncio.sleep(0.01)
+        elapsed = time.monotonic() - started
+        assert flushes <= elapsed / 0.05 + 3
+        assert flushes < 20
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_lost_owner_is_swept_as_interrupted_and_fenced(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    url = request.getfixturevalue(f"{kind}_url")
+    crashed = durable(url, lease=0.3, sweep_interval=0.05)
+    await crashed.open()
+    generation = Generation(GID, principal="", content_type="text/event-stream")
+    crashed.register(generation)
+    generation.append(b"data: kept\n\n")
+    await settle(crashed)
+    # The owner stops renewing: its worker dies, as with kill -9.
+    assert crashed._worker is not None
+    crashed._worker.cancel()
+    survivor = durable(url, lease=0.3, sweep_interval=0.05)
+    await survivor.open()
+    try:
+        async with asyncio.timeout(5):
+            while (info := await survivor.get(GID)) is None or info.status is Status.RUNNING:
+                await asyncio.sleep(0.05)
+        assert info.status is Status.INTERRUPTED
+        assert info.size == len(b"data: kept\n\n")
+        # The old owner comes back and tries to complete it: the fence holds.
+        generation.append(b"data: late\n\n")
+        generation.finish(Status.COMPLETE)
+        await settle(crashed)
+        after = await survivor.get(GID)
+        assert after is not None
+        assert after.status is Status.INTERRUPTED
+        # Resumed through the middleware: the prefix, then an error frame.
+        mw = DisconnectMiddleware(sse_app(Probe()), backend=survivor)
+        replay = await drive(mw, path=f"/generations/{GID}/stream")
+        assert replay.body.startswith(b"data: kept\n\n")
+        assert b'event: error\ndata: {"error":{"type":"interrupted"' in replay.body
+    finally:
+        await survivor.aclose()
+        await crashed.store.aclose()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_finished_generations_expire_and_are_reaped(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    url = request.getfixturevalue(f"{kind}_url")
+    backend = durable(url, ttl=0.2, reap_interval=0.05)
+    await backend.open()
+    try:
+        for n in range(3):
+            generation = Generation(f"gen_{n}" + "C" * 23, principal="")
+            backend.register(generation)
+            generation.append(b"bytes")
+            generation.finish(Status.COMPLETE)
+        await settle(backend)
+        assert await backend.get("gen_0" + "C" * 23) is not None
+        await asyncio.sleep(0.3)
+        assert await backend.get("gen_0" + "C" * 23) is None
+        async with asyncio.timeout(5):
+            while await backend.store.reap(1000):
+                pass
+        assert await backend.store.read("gen_0" + "C" * 23, 0, 100) == b""
+    finally:
+        await backend.aclose()
+
+
+async def test_unreachable_postgres_names_the_url_with_the_password_masked() -> None:
+    backend = connect("postgresql://app:s3cret@127.0.0.1:1/nowhere")
+    with pytest.raises(BackendUnavailable) as caught:
+        await backend.open()
+    message = str(caught.value)
+    assert "postgresql://app:***@127.0.0.1:1/nowhere" in message
+    assert "s3cret" not in message
+
+
+async def test_unopenable_sqlite_names_the_url(tmp_path: object) -> None:
+    backend = connect("sqlite:////nonexistent-dir/x/y.db")
+    with pytest.raises(BackendUnavailable, match=re.escape("sqlite:////nonexistent-dir/x/y.db")):
+        await backend.open()
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://localhost", "unknown backend URL scheme 'redis'"),
+        ("nothing", "needs a scheme"),
+        ("sqlite://", "sqlite:///path"),
+        ("sqlite:///", "sqlite:///path"),
+        ("postgresql://h/db?schema=Bad-Name", "lower-case SQL identifier"),
+    ],
+)
+def test_bad_urls_are_clear_errors(url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        connect(url)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"flush_interval": 0}, "flush_interval"),
+        ({"flush_max_bytes": 0}, "flush_max_bytes"),
+        ({"lease": 0.01}, "lease"),
+        ({"ttl": 0}, "ttl"),
+    ],
+)
+def test_bad_durable_options(options: dict[str, object], sqlite_url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        connect(sqlite_url, **options)  # type: ignore[arg-type]
+
+
+async def test_newer_schema_version_is_refused(postgres_url: str, postgres_dsn: str) -> None:
+    backend = durable(postgres_url)
+    await backend.open()
+    await backend.aclose()
+    schema = postgres_url.rsplit("schema=", 1)[1]
+    conn = await asyncpg.connect(postgres_dsn)
+    try:
+        await conn.execute(
+            f'update "{schema}".asgi_disconnect_meta '
+            "set value = '99' where key = 'schema_version'"
+        )
+    finally:
+        await conn.close()
+    with pytest.raises(BackendUnavailable, match="schema version 99"):
+        await durable(postgres_url).open()
+
+
+async def test_sqlite_newer_schema_version_is_refused(sqlite_url: str) -> None:
+    import sqlite3
+
+    backend = durable(sqlite_url)
+    await backend.open()
+    await backend.aclose()
+    db = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"))
+    db.execute("update asgi_disconnect_meta set value = '99' where key = 'schema_version'")
+    db.commit()
+    db.close()
+    with pytest.raises(BackendUnavailable, match="schema version 99"):
+        await durable(sqlite_url).open()
+
+
+async def test_existing_pool_is_used_and_left_open(postgres_url: str, postgres_dsn: str) -> None:
+    pool = await asyncpg.create_pool(postgres_dsn, min_size=1, max_size=3)
+    try:
+        schema = postgres_url.rsplit("schema=", 1)[1]
+        backend = connect("postgresql://", pool=pool, schema=schema, flush_interval=0.02)
+        await backend.open()
+        generation = Generation(GID, principal="")
+        backend.register(generation)
+        generation.append(b"pooled")
+        generation.finish(Status.COMPLETE)
+        await backend.aclose()
+        assert (
+            await pool.fetchval(
+                f'select size from "{schema}".asgi_disconnect_generations where id = $1', GID
+            )
+            == 6
+        )
+    finally:
+        await pool.close()
+
+
+async def test_resume_past_the_durable_size_waits_for_the_flush(sqlite_url: str) -> None:
+    writer = durable(sqlite_url, flush_interval=0.3)
+    reader = durable(sqlite_url, poll_interval=0.02)
+    await writer.open()
+    await reader.open()
+    try:
+        generation = Generation(GID, principal="")
+        writer.register(generation)
+        generation.append(b"persisted;")
+        await settle(writer)
+        generation.append(b"not yet durable;")
+        # A client that read both chunks from the owner asks another replica for the rest.
+        offset = generation.size
+        mw = DisconnectMiddleware(sse_app(Probe()), backend=reader)
+
+        async def finish_later() -> None:
+            await asyncio.sleep(0.1)
+            generation.append(b"the rest")
+            generation.finish(Status.COMPLETE)
+
+        later = asyncio.ensure_future(finish_later())
+        resumed = await drive(
+            mw, path=f"/generations/{GID}/stream", query_string=f"offset={offset}".encode()
+        )
+        await later
+        assert resumed.status == 200
+        assert resumed.body == b"the rest"
+    finally:
+        await writer.aclose()
+        await reader.aclose()
