@@ -107,6 +107,17 @@ class ResumeEndpoints:
             return
         await self._stream(scope, receive, send, info)
 
+    async def _wait_for_size(self, info: GenerationInfo, offset: int) -> GenerationInfo:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _OFFSET_WAIT
+        while info.size < offset and info.status is Status.RUNNING and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+            latest = await self.backend.get(info.id)
+            if latest is None:
+                break
+            info = latest
+        return info
+
     async def _stream(
         self, scope: Scope, receive: Receive, send: Send, info: GenerationInfo
     ) -> None:
