@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -31,8 +32,9 @@ class FlushBatch:
     ttl: float
     # (id, principal, status_code, content_type, policy, detached)
     created: list[tuple[str, str, int, str | None, str | None, bool]] = field(default_factory=list)
-    # (generation_id, start, data)
-    chunks: list[tuple[str, int, bytes]] = field(default_factory=list)
+    # (generation_id, start, data, sizes): the chunks one generation produced since the
+    # last flush, joined into one row; ``sizes`` keeps their boundaries (uint32 array).
+    chunks: list[tuple[str, int, bytes, bytes]] = field(default_factory=list)
     # (id, policy, detached)
     changed: list[tuple[str, str | None, bool]] = field(default_factory=list)
     # (id, status, size, error)
@@ -258,16 +260,24 @@ class DurableBackend:
                 )
             count = generation.chunk_count
             start = tracked.size
-            taken = tracked.chunks
-            for chunk in generation.chunks_from(tracked.chunks)[: count - tracked.chunks]:
-                if budget <= 0:
-                    more = True
-                    break
-                batch.chunks.append((generation.id, start, chunk))
-                start += len(chunk)
-                budget -= len(chunk)
-                taken += 1
-            complete = taken == count
+            pending = generation.chunks_from(tracked.chunks)[: count - tracked.chunks]
+            if pending and budget > 0:
+                taken_chunks = pending
+                size = 0
+                for index, chunk in enumerate(pending):
+                    size += len(chunk)
+                    if size >= budget:
+                        taken_chunks = pending[: index + 1]
+                        break
+                budget -= size
+                data = taken_chunks[0] if len(taken_chunks) == 1 else b"".join(taken_chunks)
+                sizes = array("I", [len(chunk) for chunk in taken_chunks]).tobytes()
+                batch.chunks.append((generation.id, start, data, sizes))
+                start += len(data)
+                pending = pending[len(taken_chunks) :]
+            if pending:
+                more = True
+            complete = not pending
             meta = (generation.policy, generation.detached)
             if tracked.created and meta != tracked.meta:
                 batch.changed.append((generation.id, meta[0], meta[1]))
@@ -278,9 +288,8 @@ class DurableBackend:
 
     def _committed(self, batch: FlushBatch, done: list[_Tracked]) -> None:
         ends: dict[str, tuple[int, int]] = {}
-        for generation_id, start, data in batch.chunks:
-            count, _ = ends.get(generation_id, (0, 0))
-            ends[generation_id] = (count + 1, start + len(data))
+        for generation_id, start, data, sizes in batch.chunks:
+            ends[generation_id] = (len(sizes) // 4, start + len(data))
         for row in batch.created:
             tracked = self._live.get(row[0])
             if tracked is not None:

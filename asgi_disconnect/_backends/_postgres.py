@@ -197,9 +197,10 @@ class PostgresStore:
                     [r[0] for r in batch.chunks],
                     [r[1] for r in batch.chunks],
                     [r[2] for r in batch.chunks],
+                    [r[3] for r in batch.chunks],
                 )
                 ends: dict[str, int] = {}
-                for generation_id, start, data in batch.chunks:
+                for generation_id, start, data, _ in batch.chunks:
                     ends[generation_id] = start + len(data)
                 await conn.execute(sql["sizes"], list(ends), list(ends.values()))
             if batch.changed:
@@ -317,6 +318,7 @@ create table if not exists {t}chunks (
     generation_id text not null,
     start bigint not null,
     data bytea not null,
+    sizes bytea not null,
     primary key (generation_id, start)
 );
 """
@@ -335,8 +337,8 @@ def _statements(t: str) -> dict[str, str]:
                 as r(id, principal, policy, detached, status_code, content_type)
             on conflict (id) do nothing""",
         "chunks": f"""
-            insert into {t}chunks (generation_id, start, data)
-            select * from unnest($1::text[], $2::bigint[], $3::bytea[])
+            insert into {t}chunks (generation_id, start, data, sizes)
+            select * from unnest($1::text[], $2::bigint[], $3::bytea[], $4::bytea[])
             on conflict do nothing""",
         "sizes": f"""
             update {t}generations g set size = r.size

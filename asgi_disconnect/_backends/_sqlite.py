@@ -50,6 +50,7 @@ create table if not exists asgi_disconnect_chunks (
     generation_id text not null,
     start integer not null,
     data blob not null,
+    sizes blob not null,
     primary key (generation_id, start)
 ) without rowid;
 """
@@ -240,12 +241,13 @@ def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:
         )
     if batch.chunks:
         db.executemany(
-            "insert into asgi_disconnect_chunks (generation_id, start, data) values (?, ?, ?) "
+            "insert into asgi_disconnect_chunks (generation_id, start, data, sizes) "
+            "values (?, ?, ?, ?) "
             "on conflict do nothing",
             batch.chunks,
         )
         ends: dict[str, int] = {}
-        for generation_id, start, data in batch.chunks:
+        for generation_id, start, data, _ in batch.chunks:
             ends[generation_id] = start + len(data)
         db.executemany(
             "update asgi_disconnect_generations set size = ? where id = ? and size < ?",
