@@ -29,6 +29,7 @@ logger = logging.getLogger("asgi_disconnect")
 _DISCONNECT: Message = {"type": "http.disconnect"}
 _GENERATION_HEADER = b"x-generation-id"
 _DIRECT_SEND_LIMIT = 1 << 16
+_ROUTE_MEMO_SIZE = 4096
 
 
 def default_principal(scope: Scope) -> str:
@@ -121,6 +122,8 @@ class DisconnectMiddleware:
         self.supervisor = Supervisor()
         self._resume = ResumeEndpoints(backend, self.principal)
         self._warned_no_lifespan = False
+        # (method, path) -> whether that route can only cancel, learned after routing.
+        self._cancel_only: dict[tuple[str, str], bool] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope_type = scope["type"]
@@ -151,6 +154,18 @@ class DisconnectMiddleware:
 
         await self.app(scope, lifespan_receive, send)
 
+    def learn_route(self, scope: Scope) -> None:
+        """Remember whether this route can only cancel, so later requests run it inline."""
+        if "endpoint" not in scope:
+            return
+        source = route_policy(scope)
+        memo = self._cancel_only
+        if len(memo) >= _ROUTE_MEMO_SIZE:
+            memo.clear()
+        memo[(scope["method"], scope["path"])] = (
+            source if source is not None else self.policy
+        ) is Policy.CANCEL
+
     def resolve(self, scope: Scope) -> Policy:
         source = route_policy(scope)
         return resolve_policy(self.policy if source is None else source, scope)
@@ -173,6 +188,7 @@ class _Exchange:
     __slots__ = (
         "app_error",
         "app_task",
+        "cancelled_by_policy",
         "client_gone",
         "end_response",
         "final_sending",
@@ -191,6 +207,7 @@ class _Exchange:
         "state",
         "taken_waiter",
         "wake_reason",
+        "watcher",
         "watching",
         "woken",
         "writer",
@@ -221,11 +238,61 @@ class _Exchange:
         self.watching = False
         self.woken = False
         self.wake_reason: str | None = None
-
-    # -- the request task: reads receive, then decides -------------------------------
+        self.watcher: asyncio.Task[Any] | None = None
+        self.cancelled_by_policy = False
 
     async def run(self) -> None:
-        self.request_task = asyncio.current_task()
+        scope = self.scope
+        if self.mw._cancel_only.get((scope["method"], scope["path"]), False):
+            await self._run_inline()
+        else:
+            await self._run_supervised()
+
+    # -- inline: a route that can only cancel runs in the request's own task -----------
+
+    async def _run_inline(self) -> None:
+        task = self.request_task = asyncio.current_task()
+        assert task is not None
+        current_state.set(self.state)
+        # The receive watcher is only needed if the app waits on something.
+        handle = self.loop.call_soon(self._start_watcher)
+        try:
+            await self.mw.app(self.scope, self.app_receive, self.app_send)
+            generation = self.generation
+            if generation is not None and generation.running:
+                self._record_end(Status.FAILED, "the app returned before its response was complete")
+            if self.writer is not None:
+                await _join(self.writer)
+        except asyncio.CancelledError:
+            if not self.cancelled_by_policy or task.uncancel() > 0:
+                self._record_end(Status.INTERRUPTED, "interrupted before it finished")
+                raise
+            self._record_end(Status.CANCELLED, "cancelled after the client disconnected")
+        except BaseException as exc:
+            self._failed(exc)
+            if self.writer is not None:
+                await _join(self.writer)
+            raise
+        finally:
+            handle.cancel()
+            watcher = self.watcher
+            if watcher is not None and not watcher.done() and not self.state.detached:
+                watcher.cancel()
+            self._count_detach_completed()
+
+    def _start_watcher(self) -> None:
+        if self.watcher is None and not self.response_complete:
+            self.watcher = self.loop.create_task(self._watch_inline())
+
+    async def _watch_inline(self) -> None:
+        reason = await self._watch()
+        if reason == "client" or reason == "lag":
+            await self._client_lost(reason)
+
+    # -- supervised: the app runs in the supervisor's task, the request task watches ---
+
+    async def _run_supervised(self) -> None:
+        self.request_task = self.watcher = asyncio.current_task()
         app_task = self.app_task = self.mw.supervisor.spawn(self.run_app())
         app_task.add_done_callback(self._part_done)
         try:
@@ -235,6 +302,8 @@ class _Exchange:
             if not self.state.detached:
                 app_task.cancel()
             raise
+        finally:
+            self.mw.learn_route(self.scope)
         if reason == "complete":
             if self.writer is not None:
                 await _join(self.writer)
@@ -274,7 +343,7 @@ class _Exchange:
             if not self.woken:
                 raise
             self.woken = False
-            task = self.request_task
+            task = self.watcher
             if task is not None and task.uncancel() > 0:
                 raise
             assert self.wake_reason is not None
@@ -283,12 +352,12 @@ class _Exchange:
             self.watching = False
 
     def _wake(self, reason: str) -> None:
-        """Stop the request task's read of ``receive`` and tell it why."""
+        """Stop the watcher's read of ``receive`` and tell it why."""
         if self.wake_reason is None:
             self.wake_reason = reason
-        if self.watching and not self.woken and self.request_task is not None:
+        if self.watching and not self.woken and self.watcher is not None:
             self.woken = True
-            self.request_task.cancel()
+            self.watcher.cancel()
 
     def _part_done(self, _: asyncio.Task[Any]) -> None:
         app_task = self.app_task
@@ -304,9 +373,9 @@ class _Exchange:
         state.disconnected.set()
         mw.counters.disconnects += 1
         self._stop_writer()
-        app_task = self.app_task
-        assert app_task is not None
-        if app_task.done():
+        runner = self.app_task or self.request_task
+        assert runner is not None
+        if runner.done() or self.response_complete:
             return
         policy = state.policy = mw.resolve(self.scope)
         generation = self.generation
@@ -314,20 +383,25 @@ class _Exchange:
             generation.policy = policy.value
         if policy is Policy.CANCEL:
             mw.counters.cancelled += 1
-            app_task.cancel()
+            self.cancelled_by_policy = True
+            runner.cancel()
             waiter = self.inbox_waiter
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
             if state.upstreams:
                 await _shielded(state.close_upstreams())
-            await _join(app_task)
+            if runner is self.app_task:
+                await _join(runner)
             return
         mw.counters.detached += 1
         state.detached = True
         if generation is not None:
             generation.detached = True
-        if not mw.owns_detached():
-            await _join(app_task)
+        if runner is not self.app_task:
+            # Predicted cancel-only, yet it detached: it stays tied to this request.
+            mw._cancel_only[(self.scope["method"], self.scope["path"])] = False
+        elif not mw.owns_detached():
+            await _join(runner)
 
     # -- the app task ---------------------------------------------------------------
 
@@ -356,13 +430,12 @@ class _Exchange:
             if generation is not None and generation.running:
                 self._record_end(Status.FAILED, "the app returned before its response was complete")
         finally:
-            generation = self.generation
-            if (
-                self.state.detached
-                and generation is not None
-                and generation.status is Status.COMPLETE
-            ):
-                self.mw.counters.detach_completed += 1
+            self._count_detach_completed()
+
+    def _count_detach_completed(self) -> None:
+        generation = self.generation
+        if self.state.detached and generation is not None and generation.status is Status.COMPLETE:
+            self.mw.counters.detach_completed += 1
 
     def _record_end(self, status: Status, error: str) -> None:
         generation = self.generation
@@ -401,6 +474,8 @@ class _Exchange:
                 return message
             if self.response_complete or (self.client_gone and not self.state.detached):
                 return _DISCONNECT
+            if self.watcher is None:
+                self._start_watcher()
             # Under detach the app never hears of the disconnect: it would stop itself.
             waiter = self.inbox_waiter = self.loop.create_future()
             await waiter

@@ -1,0 +1,159 @@
+"""Routes learned to be cancel-only run in the request's own task: the same behaviour."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from asgi_disconnect import DisconnectMiddleware, MemoryBackend, Status
+from asgi_disconnect.testing import drive, lifespan
+from asgi_disconnect.upstream import track
+from tests.apps import Probe, sse_app
+
+pytestmark = pytest.mark.anyio
+
+
+def inline(app: Starlette, *routes: tuple[str, str], **options: object) -> DisconnectMiddleware:
+    mw = DisconnectMiddleware(app, backend=MemoryBackend(), **options)  # type: ignore[arg-type]
+    for route in routes:
+        mw._cancel_only[route] = True
+    return mw
+
+
+async def test_routes_are_learned_after_routing() -> None:
+    mw = DisconnectMiddleware(sse_app(Probe(), chunks=2, delay=0), backend=MemoryBackend())
+    await drive(mw, path="/json")
+    await drive(mw, path="/cancel")
+    async with lifespan(mw):
+        await drive(mw, path="/detach")
+    await drive(mw, path="/missing")
+    assert mw._cancel_only == {
+        ("GET", "/json"): True,
+        ("GET", "/cancel"): True,
+        ("GET", "/detach"): False,
+    }
+
+
+async def test_a_detach_default_is_never_inline() -> None:
+    mw = DisconnectMiddleware(
+        sse_app(Probe(), chunks=2, delay=0), backend=MemoryBackend(), policy="detach"
+    )
+    await drive(mw, path="/json")
+    assert mw._cancel_only == {("GET", "/json"): False}
+
+
+async def test_inline_json_and_stream_are_whole_and_resumable() -> None:
+    mw = inline(sse_app(Probe(), chunks=20, delay=0), ("GET", "/json"), ("GET", "/cancel"))
+    small = await drive(mw, path="/json")
+    assert small.body == b'{"ok":true}'
+    assert small.header("x-generation-id") is not None
+    stream = await drive(mw, path="/cancel")
+    assert stream.complete
+    assert stream.body.count(b"data: ") == 20
+    replay = await drive(mw, path=f"/generations/{stream.header('x-generation-id')}/stream")
+    assert replay.body == stream.body
+
+
+async def test_inline_request_body() -> None:
+    mw = inline(sse_app(Probe()), ("POST", "/echo"))
+    result = await drive(mw, method="POST", path="/echo", body_chunks=[b"ab", b"cd", b"ef"])
+    assert result.body == b"abcdef"
+
+
+async def test_inline_cancel_on_disconnect() -> None:
+    probe = Probe()
+    mw = inline(sse_app(probe, chunks=100, delay=0.01), ("GET", "/cancel"))
+    result = await drive(mw, path="/cancel", disconnect_after_bytes=60)
+    assert probe.cancelled.is_set()
+    assert not probe.finished.is_set()
+    assert mw.counters.cancelled == 1
+    (generation,) = mw.backend._generations.values()  # type: ignore[attr-defined]
+    assert generation.status is Status.CANCELLED
+    assert result.complete is False
+
+
+async def test_inline_cancel_before_the_response_started() -> None:
+    probe = Probe()
+    mw = inline(sse_app(probe, chunks=100, delay=0.05), ("GET", "/slow-json"))
+    result = await drive(mw, path="/slow-json", disconnect_after_seconds=0.1)
+    assert result.status is None
+    assert probe.cancelled.is_set()
+    assert mw.counters.cancelled == 1
+
+
+async def test_inline_stalled_client_is_cancelled_by_the_lag_limits() -> None:
+    probe = Probe()
+    mw = inline(
+        sse_app(probe, chunks=100_000, delay=0.0005, size=200),
+        ("GET", "/cancel"),
+        max_lag_bytes=64 * 1024,
+    )
+    await drive(mw, path="/cancel", stop_reading_after_bytes=1)
+    assert probe.cancelled.is_set()
+    timed = Probe()
+    mw = inline(sse_app(timed, chunks=1000, delay=0.01), ("GET", "/cancel"), max_lag_seconds=0.2)
+    async with asyncio.timeout(5):
+        await drive(mw, path="/cancel", stop_reading_after_bytes=1)
+    assert timed.cancelled.is_set()
+
+
+async def test_inline_error_frame_and_tracked_upstream() -> None:
+    closed = asyncio.Event()
+
+    class Upstream:
+        async def aclose(self) -> None:
+            closed.set()
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b"data: one\n\n"
+        await asyncio.sleep(0.01)
+        raise RuntimeError("upstream broke")
+
+    async def failing(request: Request) -> StreamingResponse:
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def slow(request: Request) -> StreamingResponse:
+        track(Upstream())
+
+        async def body() -> AsyncIterator[bytes]:
+            for _ in range(100):
+                yield b"x" * 10
+                await asyncio.sleep(0.01)
+
+        return StreamingResponse(body())
+
+    app = Starlette(routes=[Route("/fail", failing), Route("/slow", slow)])
+    mw = inline(app, ("GET", "/fail"), ("GET", "/slow"))
+    seen: list[bytes] = []
+
+    async def spy_app(scope, receive, send):  # type: ignore[no-untyped-def]
+        async def spy(message):  # type: ignore[no-untyped-def]
+            seen.append(message.get("body", b""))
+            await send(message)
+
+        await mw(scope, receive, spy)
+
+    with pytest.raises(RuntimeError, match="upstream broke"):
+        await drive(spy_app, path="/fail")
+    assert b"".join(seen).startswith(b"data: one\n\nevent: error\n")
+    await drive(mw, path="/slow", disconnect_after_bytes=20)
+    assert closed.is_set()
+
+
+async def test_a_mispredicted_detach_still_finishes_and_is_relearned() -> None:
+    probe = Probe()
+    mw = inline(sse_app(probe, chunks=20, delay=0.01), ("GET", "/detach"))
+    async with lifespan(mw):
+        result = await drive(mw, path="/detach", disconnect_after_bytes=30)
+        assert probe.finished.is_set()
+        assert mw.counters.detached == 1
+        assert mw.counters.detach_completed == 1
+        assert mw._cancel_only[("GET", "/detach")] is False
+        info = mw.backend._generations[result.header("x-generation-id")]  # type: ignore[attr-defined]
+        assert info.status is Status.COMPLETE
