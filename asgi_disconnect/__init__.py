@@ -7,11 +7,15 @@ from typing import TYPE_CHECKING, Any
 from ._backends import Backend, BackendUnavailable, DurableBackend, MemoryBackend, connect
 from ._disconnect import DisconnectMiddleware, default_principal
 from ._log import GenerationInfo, Status
+from ._metering import MeteringMiddleware, Reservations, UsageRecord, UsageSink, estimate_tokens
 from ._policy import Policy, disconnect_policy
 from ._state import RequestState
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from starlette.applications import Starlette
+    from starlette.types import Scope
 
 __all__ = [
     "Backend",
@@ -20,22 +24,43 @@ __all__ = [
     "DurableBackend",
     "GenerationInfo",
     "MemoryBackend",
+    "MeteringMiddleware",
     "Policy",
     "RequestState",
+    "Reservations",
     "Status",
+    "UsageRecord",
+    "UsageSink",
     "connect",
     "default_principal",
     "disconnect_policy",
+    "estimate_tokens",
     "install",
 ]
 
 __version__ = "0.1.0"
 
 
-def install(app: Starlette, **options: Any) -> None:
+def install(
+    app: Starlette,
+    *,
+    sinks: Sequence[UsageSink] = (),
+    provider: str | Callable[[Scope], str | None] | None = None,
+    reservations: Reservations | None = None,
+    tokenizer: Callable[[str], int] = estimate_tokens,
+    **options: Any,
+) -> None:
     """Add the package's middleware stack to a Starlette or FastAPI ``app``.
 
-    ``options`` are passed to :class:`DisconnectMiddleware` (``backend``, ``policy``,
-    ``principal``, ``resume_prefix``, ...).
+    Outermost first: :class:`DisconnectMiddleware` (``options``: ``backend``, ``policy``,
+    ``principal``, ``resume_prefix``, ...), then :class:`MeteringMiddleware` (``sinks``,
+    ``provider``, ``reservations``, ``tokenizer``).
     """
+    app.add_middleware(
+        MeteringMiddleware,
+        sinks=sinks,
+        provider=provider,
+        reservations=reservations,
+        tokenizer=tokenizer,
+    )
     app.add_middleware(DisconnectMiddleware, **options)

@@ -63,14 +63,6 @@ class _IdSource:
 _new_generation_id = _IdSource()
 
 
-def _content_type(headers: list[Any]) -> str | None:
-    for name, value in headers:
-        # ASGI header names are lower-case; tolerate apps that send them otherwise.
-        if name == b"content-type" or (len(name) == 12 and name.lower() == b"content-type"):
-            return bytes(value).decode("latin-1")
-    return None
-
-
 class DisconnectMiddleware:
     """Makes a client disconnect a deliberate decision per route: cancel or detach.
 
@@ -279,6 +271,7 @@ class _Exchange:
             if watcher is not None and not watcher.done() and not self.state.detached:
                 watcher.cancel()
             self._count_detach_completed()
+            self.state.finish()
 
     def _start_watcher(self) -> None:
         if self.watcher is None and not self.response_complete:
@@ -364,6 +357,7 @@ class _Exchange:
         writer = self.writer
         if app_task is not None and app_task.done() and (writer is None or writer.done()):
             self._wake("complete" if self.response_complete else "done")
+            self.state.finish()
 
     async def _client_lost(self, reason: str) -> None:
         mw = self.mw
@@ -516,13 +510,13 @@ class _Exchange:
     async def _start(self, message: Message) -> None:
         if self.generation is not None:
             raise RuntimeError("ASGI message 'http.response.start' sent twice")
-        headers = list(message.get("headers", ()))
+        headers = message.get("headers", ())
         state = self.state
         generation = Generation(
             state.generation_id,
             principal=self.mw.principal(self.scope) or "",
             status_code=message["status"],
-            content_type=_content_type(headers),
+            headers=headers,
         )
         if state.policy is not None:
             generation.policy = state.policy.value
@@ -531,35 +525,38 @@ class _Exchange:
         self.mw.backend.register(generation)
         if self.client_gone:
             return
-        headers.append((_GENERATION_HEADER, state.generation_id.encode()))
-        await self._send_client({**message, "headers": headers})
-
-    async def _send_client(self, message: Message) -> bool:
+        message = {
+            **message,
+            "headers": [*headers, (_GENERATION_HEADER, state.generation_id.encode())],
+        }
         try:
             await self.send(message)
         except OSError:
-            # Servers at ASGI spec 2.4+ raise OSError when the client is gone.
-            self.client_gone = True
-            self._wake("client")
-            return False
-        return True
+            self._client_went_away()
+
+    def _client_went_away(self) -> None:
+        # Servers at ASGI spec 2.4+ raise OSError on send when the client is gone.
+        self.client_gone = True
+        self._wake("client")
 
     async def _send_whole(self, body: bytes) -> None:
         self.final_sending = True
         message = {"type": "http.response.body", "body": body, "more_body": False}
-        if len(body) <= _DIRECT_SEND_LIMIT:
-            sent = await self._send_client(message)
-        else:
-            try:
+        try:
+            if len(body) <= _DIRECT_SEND_LIMIT:
+                await self.send(message)
+            else:
                 async with asyncio.timeout(self.mw.max_lag_seconds):
-                    sent = await self._send_client(message)
-            except TimeoutError:
-                self.final_sending = False
-                self._wake("lag")
-                return
-        if sent:
-            self.state.delivered_bytes += len(body)
-            self.response_complete = True
+                    await self.send(message)
+        except OSError:
+            self._client_went_away()
+            return
+        except TimeoutError:
+            self.final_sending = False
+            self._wake("lag")
+            return
+        self.state.delivered_bytes += len(body)
+        self.response_complete = True
 
     # -- the client writer ----------------------------------------------------------
 

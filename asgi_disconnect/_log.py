@@ -6,7 +6,7 @@ import asyncio
 import enum
 import time
 from bisect import bisect_right
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -51,9 +51,10 @@ class Generation:
 
     __slots__ = (
         "_chunks",
+        "_content_type",
         "_ends",
+        "_headers",
         "_waiters",
-        "content_type",
         "created_at",
         "detached",
         "error",
@@ -73,11 +74,14 @@ class Generation:
         principal: str,
         status_code: int = 200,
         content_type: str | None = None,
+        headers: list[Any] | None = None,
     ) -> None:
         self.id = generation_id
         self.principal = principal
         self.status_code = status_code
-        self.content_type = content_type
+        self._content_type = content_type
+        # The response's raw headers; the content type is looked up only when needed.
+        self._headers = headers
         self.created_at = time.time()
         self.finished_at: float | None = None
         self.status = Status.RUNNING
@@ -88,6 +92,17 @@ class Generation:
         self._chunks: list[bytes] = []
         self._ends: list[int] = []
         self._waiters: list[asyncio.Future[None]] = []
+
+    @property
+    def content_type(self) -> str | None:
+        headers = self._headers
+        if headers is not None:
+            self._headers = None
+            for name, value in headers:
+                if name.lower() == b"content-type":
+                    self._content_type = bytes(value).decode("latin-1")
+                    break
+        return self._content_type
 
     @property
     def running(self) -> bool:

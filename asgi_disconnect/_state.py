@@ -8,6 +8,8 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ._log import Generation
     from ._policy import Policy
 
@@ -25,6 +27,7 @@ class RequestState:
 
     __slots__ = (
         "_disconnected",
+        "_finalizers",
         "delivered_bytes",
         "detached",
         "disconnect_reason",
@@ -45,6 +48,7 @@ class RequestState:
         self.disconnect_reason: str | None = None
         self.delivered_bytes = 0
         self.upstreams: list[Closable] = []
+        self._finalizers: list[Callable[[], object]] | None = []
 
     @property
     def disconnected(self) -> asyncio.Event:
@@ -59,6 +63,23 @@ class RequestState:
         generation = self.generation
         return 0 if generation is None else generation.size
 
+    @property
+    def finished(self) -> bool:
+        """True once the exchange is over: the app returned and nothing more is delivered."""
+        return self._finalizers is None
+
+    def on_finished(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` once the exchange is over (at once if it already is)."""
+        if self._finalizers is None:
+            _call(callback)
+        else:
+            self._finalizers.append(callback)
+
+    def finish(self) -> None:
+        callbacks, self._finalizers = self._finalizers, None
+        for callback in callbacks or ():
+            _call(callback)
+
     def track(self, upstream: Closable) -> None:
         self.upstreams.append(upstream)
 
@@ -70,6 +91,13 @@ class RequestState:
                 await upstream.aclose()
             except Exception:
                 logger.warning("closing an upstream response failed", exc_info=True)
+
+
+def _call(callback: Callable[[], object]) -> None:
+    try:
+        callback()
+    except Exception:
+        logger.exception("a callback at the end of a request failed")
 
 
 current_state: ContextVar[RequestState | None] = ContextVar("asgi_disconnect_state", default=None)

@@ -9,8 +9,8 @@ persisting across events, ``retry`` only when all ASCII digits, and an event cut
 of the stream discarded.
 
 Memory is bounded: a line longer than ``max_line_bytes`` or an event whose data is larger than
-``max_event_bytes`` raises :class:`SSEDecodeError`, the only exception :meth:`SSEDecoder.feed`
-raises.
+``max_event_bytes`` (UTF-8) raises :class:`SSEDecodeError`, the only exception
+:meth:`SSEDecoder.feed` raises::
 
     decoder = SSEDecoder()
     for chunk in body_chunks:
@@ -28,9 +28,9 @@ import msgspec
 __all__ = ["SSEDecodeError", "SSEDecoder", "ServerSentEvent"]
 
 _BOM = b"\xef\xbb\xbf"
-# Chunks larger than this are decoded in slices, so the fast paths stay within the limits.
+# Larger chunks are decoded in slices, which bounds the work done between two size checks.
 _SLICE = 1 << 16
-# An unterminated event's complete lines are parsed (not kept as bytes) beyond this size.
+# Beyond this size the complete lines of an unfinished event are parsed rather than kept.
 _TAIL_CAP = 1 << 16
 
 
@@ -52,19 +52,31 @@ class ServerSentEvent(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     retry: int | None = None
 
 
+def _retry_value(value: str) -> int | None:
+    if not (value.isascii() and value.isdigit()):
+        return None
+    try:
+        return int(value.lstrip("0") or "0")
+    except ValueError:  # more digits than int() accepts: no sensible delay
+        return None
+
+
 class SSEDecoder:
     """Decode an event stream incrementally; see the module docstring for the rules.
 
-    ``comment_count`` counts comment lines (keep-alives such as ``: OPENROUTER PROCESSING``),
-    ``last_event_id`` is the last event ID string, ``retry`` the last valid reconnection time and
-    ``bytes_fed`` the number of bytes given to :meth:`feed`.
+    ``last_event_id`` is the last event ID string and ``bytes_fed`` the number of bytes given
+    to :meth:`feed`.
+
+    Blocks of the form ``data: VALUE`` and ``event: NAME`` + ``data: VALUE`` are recognised
+    whole and decoded with one UTF-8 decode per chunk; anything else goes through the
+    line-by-line algorithm.
     """
 
     __slots__ = (
         "_at_start",
         "_block_retry",
         "_bom_head",
-        "_comment_open",
+        "_comments",
         "_data",
         "_dirty",
         "_event_type",
@@ -74,14 +86,13 @@ class SSEDecoder:
         "_max_event",
         "_max_line",
         "_partial",
+        "_retry",
         "_skip_lf",
         "_special",
         "_tail",
         "_tail_len",
         "bytes_fed",
-        "comment_count",
         "last_event_id",
-        "retry",
     )
 
     def __init__(self, *, max_line_bytes: int = 1 << 20, max_event_bytes: int = 4 << 20) -> None:
@@ -89,18 +100,17 @@ class SSEDecoder:
             raise ValueError("max_line_bytes and max_event_bytes must be positive")
         self._max_line = max_line_bytes
         self._max_event = max_event_bytes
-        # An invalid byte decodes to U+FFFD, three bytes: below this a single-line event
-        # cannot outgrow max_event_bytes, so the fast paths need no per-event size check.
+        # An invalid byte decodes to U+FFFD, three bytes: below this a one-line event cannot
+        # outgrow max_event_bytes, so the whole-block paths need no per-event size check.
         self._fast_limit = min(max_line_bytes, max_event_bytes // 3)
-        self.comment_count = 0
         self.last_event_id = ""
-        self.retry: int | None = None
         self.bytes_fed = 0
-        self._tail: list[bytes] = []  # the unparsed bytes since the last block boundary
-        self._tail_len = 0
-        self._partial = 0  # bytes fed since the last line end
+        self._comments = 0
+        self._retry: int | None = None
+        self._tail: list[bytes] = []  # the unparsed bytes since the last blank line
+        self._tail_len = 0  # plus _partial, at least the size of the tail
+        self._partial = 0  # the length of the unterminated line
         self._dirty = False  # field lines were parsed since the last blank line
-        self._comment_open = False  # the unterminated line is a comment
         self._data = bytearray()
         self._event_type = ""
         self._id_buffer = ""
@@ -111,39 +121,157 @@ class SSEDecoder:
         self._failed = ""
         self._special = True
 
+    @property
+    def comment_count(self) -> int:
+        """Comment lines seen so far (keep-alives such as ``: OPENROUTER PROCESSING``)."""
+        pending = self._pending_lines()
+        return self._comments + pending.startswith(b":") + pending.count(b"\n:")
+
+    @property
+    def retry(self) -> int | None:
+        """The reconnection time (ms) set by the last valid ``retry`` line, else None."""
+        retry = self._retry
+        pending = self._pending_lines()
+        if b"retry" in pending:
+            for line in pending.decode("utf-8", "replace").split("\n"):
+                name, _, value = line.partition(":")
+                if name == "retry":
+                    found = _retry_value(value[1:] if value[:1] == " " else value)
+                    retry = retry if found is None else found
+        return retry
+
     def feed(self, chunk: bytes) -> list[ServerSentEvent]:
         """Decode ``chunk``; return the events it completed, in order."""
-        self.bytes_fed += len(chunk)
-        if self._special:
-            chunk = self._prepare(chunk)
-            if not chunk:
-                return []
-        if 13 in chunk:
-            if chunk[-1] == 13:
-                self._skip_lf = self._special = True
-            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        size = len(chunk)
+        self.bytes_fed += size
+        if self._special or 13 in chunk:
+            return self._feed_special(chunk)
         if 10 not in chunk:
-            if chunk:
-                self._extend_line(chunk)
+            partial = self._partial + size
+            if partial > self._max_line:
+                self._fail(f"an SSE line is longer than {self._max_line} bytes")
+            self._partial = partial
+            self._tail.append(chunk)
             return []
-        if len(chunk) > _SLICE:
-            return self._feed_slices(chunk)
-        return self._feed_lines(chunk)
+        if size > _SLICE:
+            return self._feed_special(chunk)
+        if chunk[-1] == 10 and not (self._tail or self._dirty) and size <= self._fast_limit:
+            # A chunk that is exactly one event, as an app or a network read delivers it.
+            head, _, rest = chunk.partition(b"\n")
+            if rest == b"\n":
+                if head[:6] == b"data: ":
+                    data = head[6:].decode("utf-8", "replace")
+                    return [ServerSentEvent(data=data, id=self.last_event_id)]
+            elif head[:7] == b"event: ":
+                line, _, rest = rest.partition(b"\n")
+                if rest == b"\n" and line[:6] == b"data: ":
+                    return [
+                        ServerSentEvent(
+                            event=head[7:].decode("utf-8", "replace") or "message",
+                            data=line[6:].decode("utf-8", "replace"),
+                            id=self.last_event_id,
+                        )
+                    ]
+        partial = self._partial
+        if partial + size > self._max_line:
+            self._check_lines(partial, chunk)
+        newline = chunk.rfind(b"\n")
+        self._partial = size - newline - 1
+        if not newline or chunk[newline - 1] != 10:
+            return self._feed_lines(chunk, newline, partial)
+        # The chunk's last LF ends a blank line: parse up to it, keep the rest.
+        if newline + 1 < size:
+            rest = chunk[newline + 1 :]
+            chunk = chunk[: newline + 1]
+            if self._tail:
+                self._tail.append(chunk)
+                chunk = b"".join(self._tail)
+            self._tail = [rest]
+            self._tail_len = 0
+        elif self._tail:
+            self._tail.append(chunk)
+            chunk = b"".join(self._tail)
+            self._tail = []
+            self._tail_len = 0
+        text = chunk.decode("utf-8", "replace")
+        if self._dirty or len(chunk) > self._fast_limit:
+            out: list[ServerSentEvent] = []
+            self._parse(text, len(chunk) > self._fast_limit, out)
+            return out
+        if text[:6] == "data: ":
+            newline = text.find("\n")
+            if newline == len(text) - 2:
+                return [ServerSentEvent(data=text[6:newline], id=self.last_event_id)]
+            out = []
+            self._data_run(text, out)
+            return out
+        out = []
+        if text[:7] == "event: ":
+            self._event_run(text, out)
+        else:
+            self._parse(text, False, out)
+        return out
+
+    def _feed_lines(self, chunk: bytes, newline: int, partial: int) -> list[ServerSentEvent]:
+        """Feed a chunk whose last LF does not end a blank line; ``partial`` as it was."""
+        end = chunk.rfind(b"\n\n", 0, newline) + 2
+        out: list[ServerSentEvent] = []
+        if end == 1 and (partial or chunk[0] != 10 or not (self._tail or self._dirty)):
+            # No blank line ends an event here: keep the bytes until one does.
+            self._tail.append(chunk)
+            self._tail_len += partial + len(chunk)
+            if self._tail_len > _TAIL_CAP:
+                self._flush_tail(out)
+            return out
+        rest = chunk[end:]
+        chunk = chunk[:end]
+        if self._tail:
+            self._tail.append(chunk)
+            chunk = b"".join(self._tail)
+        self._tail = [rest] if rest else []
+        self._tail_len = len(rest) - self._partial
+        self._parse(chunk.decode("utf-8", "replace"), len(chunk) > self._fast_limit, out)
+        return out
 
     def close(self) -> list[ServerSentEvent]:
         """End of stream: discard an event that was cut off (it is never dispatched)."""
+        self._comments = self.comment_count
+        self._retry = self.retry
         self._tail = []
         self._tail_len = self._partial = 0
         self._data = bytearray()
         self._event_type = ""
         self._block_retry = None
-        self._dirty = self._comment_open = False
+        self._dirty = False
         self._bom_head = b""
         return []
 
+    def _pending_lines(self) -> bytes:
+        """The complete lines kept unparsed in the tail."""
+        pending = b"".join(self._tail)
+        return pending[: len(pending) - self._partial]
+
+    def _feed_special(self, chunk: bytes) -> list[ServerSentEvent]:
+        """Feed a chunk at the start of the stream, after a CR, holding a CR, or a large one."""
+        if self._special:
+            if self._failed:
+                raise SSEDecodeError(self._failed)
+            chunk = self._prepare(chunk)
+        skip_lf = False
+        if 13 in chunk:
+            skip_lf = chunk[-1] == 13
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        # feed() counts the pieces again.
+        self.bytes_fed -= len(chunk)
+        events: list[ServerSentEvent] = []
+        for start in range(0, len(chunk), _SLICE):
+            events += self.feed(chunk[start : start + _SLICE])
+        if skip_lf:
+            self._skip_lf = self._special = True
+        return events
+
     def _prepare(self, chunk: bytes) -> bytes:
-        if self._failed:
-            raise SSEDecodeError(self._failed)
+        """Strip a BOM at the start of the stream and the LF of a CRLF split across chunks."""
         if self._at_start:
             head = self._bom_head + chunk
             if len(head) < 3 and _BOM.startswith(head):
@@ -159,96 +287,15 @@ class SSEDecoder:
         self._special = self._at_start or self._skip_lf
         return chunk
 
-    def _feed_slices(self, chunk: bytes) -> list[ServerSentEvent]:
-        events: list[ServerSentEvent] = []
-        for start in range(0, len(chunk), _SLICE):
-            piece = chunk[start : start + _SLICE]
-            if 10 in piece:
-                events += self._feed_lines(piece)
-            else:
-                self._extend_line(piece)
-        return events
-
-    def _extend_line(self, piece: bytes) -> None:
-        """Keep ``piece``, which holds no line end, unparsed until its line ends."""
-        partial = self._partial
-        if partial + len(piece) > self._max_line:
-            self._fail(f"an SSE line is longer than {self._max_line} bytes")
-        if not partial:
-            self._comment_open = piece[0] == 58
-        self._partial = partial + len(piece)
-        self._tail.append(piece)
-        self._tail_len += len(piece)
-
     def _fail(self, message: str) -> NoReturn:
         self.close()
         self._failed = message
         self._special = True
         raise SSEDecodeError(message)
 
-    def _feed_lines(self, chunk: bytes) -> list[ServerSentEvent]:
-        """Feed a chunk that holds at least one LF and no CR."""
-        size = len(chunk)
-        partial = self._partial
-        if partial + size > self._max_line:
-            self._check_lines(partial, chunk)
-        self._partial = size - chunk.rfind(b"\n") - 1
-        tail = self._tail
-        out: list[ServerSentEvent] = []
-        if tail or self._dirty:
-            if partial == 0 and chunk[0] == 10:
-                if not tail:
-                    # A blank line ends the event whose lines were parsed already.
-                    self._dispatch(out)
-                    chunk = chunk[1:]
-                    if 10 not in chunk:
-                        if chunk:
-                            self._comment_open = chunk[0] == 58
-                            self._tail = [chunk]
-                            self._tail_len = len(chunk)
-                        return out
-            elif chunk.find(b"\n\n") < 0:
-                self._store(chunk, partial == 0, out)
-                return out
-            if tail:
-                tail.append(chunk)
-                chunk = b"".join(tail)
-                self._tail = []
-                self._tail_len = 0
-        end = chunk.rfind(b"\n\n") + 2
-        if end == 1:
-            self._store(chunk, True, out)
-            return out
-        self._comment_open = False
-        if end == len(chunk):
-            self._parse(chunk.decode("utf-8", "replace"), end > self._fast_limit, out)
-        else:
-            self._parse(chunk[:end].decode("utf-8", "replace"), end > self._fast_limit, out)
-            self._store(chunk[end:], True, out)
-        return out
-
-    def _store(self, piece: bytes, line_start: bool, out: list[ServerSentEvent]) -> None:
-        """Keep ``piece``, which holds an LF, unparsed until its event ends.
-
-        Complete comment lines are parsed at once, so ``comment_count`` never lags.
-        """
-        self._tail.append(piece)
-        self._tail_len += len(piece)
-        last = len(piece) - self._partial - 1
-        if (
-            self._comment_open
-            or (line_start and piece[0] == 58)
-            or piece.find(b"\n:", 0, last) >= 0
-            or self._tail_len > _TAIL_CAP
-        ):
-            self._flush_tail(out)
-        self._comment_open = self._partial > 0 and piece[last + 1] == 58
-
     def _check_lines(self, partial: int, chunk: bytes) -> None:
         limit = self._max_line
         first = chunk.find(b"\n")
-        if first < 0:
-            first = len(chunk)
         if partial + first > limit:
             self._fail(f"an SSE line is longer than {limit} bytes")
         pos = first + 1
@@ -259,15 +306,12 @@ class SSEDecoder:
             pos = newline + 1
 
     def _flush_tail(self, out: list[ServerSentEvent]) -> None:
-        """Parse the complete lines of an overlong unterminated event, keeping only its data."""
+        """Parse the complete lines kept in the tail; only the first of them can be blank."""
         pending = b"".join(self._tail)
         cut = len(pending) - self._partial
-        if cut <= 0:
-            self._tail = [pending]
-            return
         rest = pending[cut:]
         self._tail = [rest] if rest else []
-        self._tail_len = len(rest)
+        self._tail_len = 0
         for line in pending[: cut - 1].decode("utf-8", "replace").split("\n"):
             self._line(line, out)
 
@@ -289,35 +333,43 @@ class SSEDecoder:
                 continue
             if not big:
                 if text.startswith("data: ", pos):
-                    self._data_run(text[pos + 6 :], out)
+                    self._data_run(text[pos:], out)
                     return
                 if text.startswith("event: ", pos):
-                    self._event_run(text[pos + 7 :], out)
+                    self._event_run(text[pos:], out)
                     return
             end = text.find("\n\n", pos)
             self._block(text[pos:end], out)
             pos = end + 2
 
     def _data_run(self, text: str, out: list[ServerSentEvent]) -> None:
-        """Parse blocks after a leading ``data: ``; ``data: VALUE`` blocks take the fast path."""
+        """Parse blocks from a ``data: `` line on; ``data: VALUE`` blocks take the fast path."""
         pieces = text.split("\n\ndata: ")
-        last = pieces.pop()[:-2]
+        pieces[0] = pieces[0][6:]
+        pieces[-1] = pieces[-1][:-2]
         append = out.append
         event_id = self.last_event_id
         for piece in pieces:
             if "\n" in piece:
-                self._block("data: " + piece, out)
+                self._blocks("data: " + piece, out)
                 event_id = self.last_event_id
             else:
                 append(ServerSentEvent(data=piece, id=event_id))
-        if "\n" in last:
-            self._block("data: " + last, out)
-        else:
-            append(ServerSentEvent(data=last, id=event_id))
 
     def _event_run(self, text: str, out: list[ServerSentEvent]) -> None:
-        """Parse blocks after a leading ``event: ``; ``event: NAME\\ndata: VALUE`` go fast."""
+        """Parse blocks from an ``event: `` line on; ``event: NAME\\ndata: VALUE`` go fast."""
+        newline = text.find("\n")
+        if text.startswith("data: ", newline + 1) and text.find("\n", newline + 1) == len(text) - 2:
+            out.append(
+                ServerSentEvent(
+                    event=text[7:newline] or "message",
+                    data=text[newline + 7 : -2],
+                    id=self.last_event_id,
+                )
+            )
+            return
         pieces = text.split("\n\nevent: ")
+        pieces[0] = pieces[0][7:]
         pieces[-1] = pieces[-1][:-2]
         append = out.append
         event_id = self.last_event_id
@@ -326,8 +378,17 @@ class SSEDecoder:
             if found and "\n" not in name and "\n" not in data:
                 append(ServerSentEvent(event=name or "message", data=data, id=event_id))
             else:
-                self._block("event: " + piece, out)
+                self._blocks("event: " + piece, out)
                 event_id = self.last_event_id
+
+    def _blocks(self, text: str, out: list[ServerSentEvent]) -> None:
+        """Parse ``text``, blocks with no final blank line: the first line by line, then runs."""
+        end = text.find("\n\n")
+        if end < 0:
+            self._block(text, out)
+        else:
+            self._block(text[:end], out)
+            self._parse(text[end + 2 :] + "\n\n", False, out)
 
     def _block(self, text: str, out: list[ServerSentEvent]) -> None:
         """Parse the lines of ``text``, then the blank line that ends it."""
@@ -340,7 +401,7 @@ class SSEDecoder:
             self._dispatch(out)
             return
         if line[0] == ":":
-            self.comment_count += 1
+            self._comments += 1
             return
         self._dirty = True
         name, _, value = line.partition(":")
@@ -357,12 +418,10 @@ class SSEDecoder:
         elif name == "id":
             if "\0" not in value:
                 self._id_buffer = value
-        elif name == "retry" and value.isascii() and value.isdigit():
-            try:
-                retry = int(value.lstrip("0") or "0")
-            except ValueError:  # more digits than int() accepts: no sensible delay
-                return
-            self.retry = self._block_retry = retry
+        elif name == "retry":
+            retry = _retry_value(value)
+            if retry is not None:
+                self._retry = self._block_retry = retry
 
     def _dispatch(self, out: list[ServerSentEvent]) -> None:
         self.last_event_id = self._id_buffer

@@ -78,12 +78,16 @@ class PostgresStore:
         if self._pool is None:
             try:
                 self._pool = await asyncpg.create_pool(
-                    self.dsn, min_size=self._min_size, max_size=self._max_size, timeout=10
+                    self.dsn,
+                    min_size=self._min_size,
+                    max_size=self._max_size,
+                    timeout=10,
+                    command_timeout=30,
                 )
             except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
                 raise BackendUnavailable(f"cannot connect to {self.url}: {exc}") from exc
         try:
-            async with self.pool.acquire() as conn, conn.transaction():
+            async with self.pool.acquire(timeout=10) as conn, conn.transaction():
                 await conn.execute("select pg_advisory_xact_lock(hashtext('asgi_disconnect'))")
                 await conn.execute(f'create schema if not exists "{self.schema}"')
                 await conn.execute(_schema(self._t))
@@ -126,7 +130,7 @@ class PostgresStore:
             try:
                 if self._listener is None or self._listener.is_closed():
                     await self._drop_listener()
-                    conn = await self.pool.acquire()
+                    conn = await self.pool.acquire(timeout=10)
                     await conn.add_listener(self.channel, self._notified)
                     self._listener = conn
                     self._wake_all()  # anything missed while not listening
@@ -178,7 +182,7 @@ class PostgresStore:
 
     async def flush(self, batch: FlushBatch) -> None:
         sql = self._sql
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self.pool.acquire(timeout=10) as conn, conn.transaction():
             if batch.created:
                 await conn.execute(
                     sql["create"],
@@ -244,7 +248,7 @@ class PostgresStore:
         return ids
 
     async def reap(self, limit: int) -> int:
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self.pool.acquire(timeout=10) as conn, conn.transaction():
             ids = [row[0] for row in await conn.fetch(self._sql["expired"], limit)]
             if ids:
                 await conn.execute(

@@ -30,7 +30,10 @@ CHAT = {
 }
 
 
-def make_gateway(upstream: str, **options: Any) -> tuple[FastAPI, dict[str, bytearray]]:
+def make_gateway(
+    upstream: str, *, bare: bool = False, **options: Any
+) -> tuple[FastAPI, dict[str, bytearray]]:
+    """The gateway with the package's stack installed, or ``bare`` for a control."""
     produced: dict[str, bytearray] = {}
     clients: dict[str, httpx.AsyncClient] = {}
 
@@ -42,12 +45,18 @@ def make_gateway(upstream: str, **options: Any) -> tuple[FastAPI, dict[str, byte
             clients["upstream"] = client
             yield
 
+    def generation_id(request: Request) -> str:
+        state = request.scope.get("asgi_disconnect")
+        return state.generation_id if state is not None else f"bare-{id(request)}"
+
     def record(request: Request) -> bytearray:
-        return produced.setdefault(request.scope["asgi_disconnect"].generation_id, bytearray())
+        return produced.setdefault(generation_id(request), bytearray())
 
     async def forward(request: Request) -> AsyncIterator[bytes]:
         sink = record(request)
-        async with clients["upstream"].stream("POST", "/v1/chat/completions", json=CHAT) as r:
+        # The generation id travels as OpenAI's `user` field, so tests can pair the calls.
+        body = {**CHAT, "user": generation_id(request)}
+        async with clients["upstream"].stream("POST", "/v1/chat/completions", json=body) as r:
             async for chunk in r.aiter_raw():
                 sink += chunk
                 yield chunk
@@ -125,6 +134,7 @@ def make_gateway(upstream: str, **options: Any) -> tuple[FastAPI, dict[str, byte
         )
     )
 
-    options.setdefault("backend", MemoryBackend())
-    install(app, **options)
+    if not bare:
+        options.setdefault("backend", MemoryBackend())
+        install(app, **options)
     return app, produced

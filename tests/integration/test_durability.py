@@ -196,9 +196,11 @@ async def test_postgres_restart_mid_generation_loses_and_duplicates_nothing(
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
         )
-        _, err = await restart.communicate()
+        async with asyncio.timeout(60):
+            _, err = await restart.communicate()
         assert restart.returncode == 0, err.decode()
-        await producer
+        async with asyncio.timeout(30):
+            await producer
         async with asyncio.timeout(30):
             while backend.pending_bytes() or (await backend.get(generation.id)) is None:
                 await asyncio.sleep(0.05)

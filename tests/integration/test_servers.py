@@ -84,6 +84,20 @@ async def test_cancel_before_the_first_token_closes_the_upstream(server: str, pa
     assert upstream.tokens_sent == 0
 
 
+async def test_control_without_the_middleware_a_non_streaming_call_bills_in_full(
+    server: str,
+) -> None:
+    with FakeProvider(tokens=60, tokens_per_second=200) as provider:
+        app, _ = make_gateway(provider.url, bare=True)
+        with run_server(app, server=server) as srv:
+            await request(srv.url + "/non-streaming", method="POST", disconnect_after_seconds=0.1)
+            (upstream,) = await provider.await_requests(1)
+            assert await upstream.await_closed(timeout=5)
+    # Plain Starlette/FastAPI never notices: the provider generated and billed everything.
+    assert upstream.finished
+    assert not upstream.connection_closed_early
+
+
 async def test_cancel_non_streaming_call_stops_billing(server: str, provider: FakeProvider) -> None:
     app, _ = make_gateway(provider.url)
     with run_server(app, server=server) as srv:

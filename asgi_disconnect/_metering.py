@@ -1,0 +1,416 @@
+"""MeteringMiddleware: exactly one usage record per request, whatever the client did."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+
+from ._state import RequestState
+from .metering import StreamMeter, analyze
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = [
+    "MeteringMiddleware",
+    "Reservations",
+    "UsageRecord",
+    "UsageSink",
+    "estimate_tokens",
+]
+
+logger = logging.getLogger("asgi_disconnect")
+
+_OFF_LOOP_TEXT = 64 * 1024
+_JSON_LIMIT = 4 << 20
+_json = msgspec.json.Decoder()
+
+
+class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """What one request cost and what its client got.
+
+    ``outcome`` is ``complete`` (the protocol's terminal marker arrived), ``truncated``
+    (the stream ended without it), ``error`` (an error frame, an error status or an
+    exception), ``cancelled`` (the client left and the policy cancelled) or
+    ``interrupted`` (shutdown or a lost owner). Token counts come from the provider when
+    it sent usage (``usage_source="provider"``), else are estimated from the text
+    (``"estimated"``), else unknown (``"none"``). ``delivered_*`` is what the client
+    writer handed to the server; ``produced_*`` is what the app produced.
+    """
+
+    generation_id: str | None
+    principal: str | None
+    method: str
+    route: str
+    status_code: int | None
+    provider: str | None
+    model: str | None
+    outcome: str
+    input_tokens: int | None
+    output_tokens: int | None
+    usage_source: str
+    cache_read_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    produced_bytes: int
+    delivered_bytes: int
+    produced_output_tokens: int | None
+    delivered_output_tokens: int | None
+    time_to_first_event: float | None
+    duration: float
+    finish_reason: str | None
+    error_type: str | None
+    policy: str | None = None
+    detached: bool = False
+    started_at: float
+
+
+UsageSink = Callable[[UsageRecord], Awaitable[None] | None]
+
+
+class Reservations(Protocol):
+    """Reserve credits before the app runs; settle them with the record, always."""
+
+    async def reserve(self, scope: Scope) -> Any: ...
+    async def settle(self, reservation: Any, record: UsageRecord) -> None: ...
+
+
+def estimate_tokens(text: str) -> int:
+    """The default estimate: about four characters per token, at least one for any text.
+
+    Close to the BPE tokenizers of the major providers for English prose; pass your own
+    ``tokenizer=`` to :class:`MeteringMiddleware` for better figures.
+    """
+    return 0 if not text else max(1, round(len(text) / 4))
+
+
+class MeteringMiddleware:
+    """Tees every produced body byte into an SSE decoder and a provider adapter.
+
+    The tee is synchronous (it never awaits anything the client controls). Exactly one
+    :class:`UsageRecord` per HTTP request goes to each sink, from a cancellation-shielded
+    ``finally``; under :class:`DisconnectMiddleware` it is emitted when the exchange is
+    over, so ``delivered_bytes`` is final. Sinks and reservations that raise are logged,
+    never raised into the request.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        sinks: Sequence[UsageSink] = (),
+        provider: str | Callable[[Scope], str | None] | None = None,
+        reservations: Reservations | None = None,
+        tokenizer: Callable[[str], int] = estimate_tokens,
+    ) -> None:
+        self.app = app
+        self.sinks = tuple(sinks)
+        self.provider = provider
+        self.reservations = reservations
+        self.tokenizer = tokenizer
+        self.records = 0
+        self._emitting: set[asyncio.Task[None]] = set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.get("asgi_disconnect")
+        if not isinstance(state, RequestState):
+            state = None
+        provider = self.provider(scope) if callable(self.provider) else self.provider
+        tee = _Tee(provider, time.time(), time.monotonic(), keep_body=state is None)
+        reservation: Any = None
+        if self.reservations is not None:
+            try:
+                reservation = await self.reservations.reserve(scope)
+            except Exception:
+                logger.exception("reserve() failed; the request runs without a reservation")
+
+        async def metered_send(message: Message) -> None:
+            tee.observe(message)
+            await send(message)
+
+        failure: BaseException | None = None
+        try:
+            await self.app(scope, receive, metered_send)
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            tee.failure = failure
+            tee.ended = time.monotonic()
+            if state is not None:
+                # The exchange may still be delivering: record when it is over.
+                exchange = state
+                state.on_finished(
+                    lambda: self._spawn(self._emit(scope, tee, exchange, reservation))
+                )
+            else:
+                await _shield(self._emit(scope, tee, None, reservation))
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._emitting.add(task)
+        task.add_done_callback(self._emitting.discard)
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Wait for records still being emitted (called at lifespan shutdown)."""
+        if self._emitting:
+            await asyncio.wait(set(self._emitting), timeout=timeout)
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def lifespan_receive() -> Message:
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                await self.drain()
+            return message
+
+        await self.app(scope, lifespan_receive, send)
+
+    async def _emit(
+        self, scope: Scope, tee: _Tee, state: RequestState | None, reservation: Any
+    ) -> None:
+        try:
+            record = await self._record(scope, tee, state)
+        except Exception:
+            logger.exception("building the usage record failed")
+            return
+        self.records += 1
+        if self.reservations is not None:
+            try:
+                await self.reservations.settle(reservation, record)
+            except Exception:
+                logger.exception("settle() failed for generation %s", record.generation_id)
+        for sink in self.sinks:
+            try:
+                result = sink(record)
+                if result is not None:
+                    await result
+            except Exception:
+                logger.exception("a usage sink failed for generation %s", record.generation_id)
+
+    async def _record(self, scope: Scope, tee: _Tee, state: RequestState | None) -> UsageRecord:
+        report = tee.report()
+        produced = tee.produced
+        delivered = state.delivered_bytes if state is not None else tee.produced
+        delivered = min(delivered, produced)
+        failure = tee.failure
+        policy = state.policy.value if state is not None and state.policy is not None else None
+        cancelled = isinstance(failure, asyncio.CancelledError)
+        if cancelled:
+            outcome = "cancelled" if policy == "cancel" else "interrupted"
+        elif (
+            failure is not None
+            or report.error is not None
+            or (tee.status_code is not None and tee.status_code >= 400)
+        ):
+            outcome = "error"
+        elif report.terminal_marker_seen:
+            outcome = "complete"
+        else:
+            outcome = "truncated"
+        error_type = report.error_type
+        if error_type is None and failure is not None and not cancelled:
+            error_type = getattr(failure, "error_type", None) or type(failure).__name__
+        input_tokens, output_tokens = report.input_tokens, report.output_tokens
+        usage_source = report.usage_source
+        text = report.text
+        if output_tokens is None and text:
+            output_tokens = await self._count(text)
+            usage_source = "estimated"
+        delivered_tokens = output_tokens
+        if output_tokens is not None and delivered < produced:
+            prefix = tee.body_prefix(delivered, state)
+            delivered_text = analyze(prefix, tee.provider).text if tee.is_event_stream else ""
+            # Scale the count by the share of the output text that reached the client.
+            share = len(delivered_text) / len(text) if text else delivered / max(produced, 1)
+            delivered_tokens = min(output_tokens, round(output_tokens * share))
+        route = scope.get("route")
+        return UsageRecord(
+            generation_id=state.generation_id if state is not None else None,
+            principal=_principal(state),
+            method=scope["method"],
+            route=getattr(route, "path", None) or scope["path"],
+            status_code=tee.status_code,
+            provider=report.provider_format,
+            model=report.model,
+            outcome=outcome,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            usage_source=usage_source,
+            cache_read_tokens=report.cache_read_tokens,
+            reasoning_tokens=report.reasoning_tokens,
+            produced_bytes=produced,
+            delivered_bytes=delivered,
+            produced_output_tokens=output_tokens,
+            delivered_output_tokens=delivered_tokens,
+            time_to_first_event=tee.first_event,
+            duration=tee.ended - tee.started,
+            finish_reason=report.finish_reason,
+            error_type=error_type,
+            policy=policy,
+            detached=state.detached if state is not None else False,
+            started_at=tee.started_at,
+        )
+
+    async def _count(self, text: str) -> int:
+        if len(text) > _OFF_LOOP_TEXT:
+            return await asyncio.to_thread(self.tokenizer, text)
+        return self.tokenizer(text)
+
+
+def _principal(state: RequestState | None) -> str | None:
+    if state is None:
+        return None
+    generation = state.generation
+    return generation.principal if generation is not None else state.principal
+
+
+class _Tee:
+    """The synchronous side of metering: a meter fed with every produced body byte."""
+
+    __slots__ = (
+        "_json",
+        "chunks",
+        "ended",
+        "failure",
+        "first_event",
+        "is_event_stream",
+        "keep_body",
+        "meter",
+        "produced",
+        "provider",
+        "started",
+        "started_at",
+        "status_code",
+    )
+
+    def __init__(
+        self, provider: str | None, started_at: float, started: float, *, keep_body: bool
+    ) -> None:
+        self.provider = provider
+        self.keep_body = keep_body
+        self.started_at = started_at
+        self.started = started
+        self.ended = started
+        self.meter: StreamMeter | None = None
+        self.status_code: int | None = None
+        self.is_event_stream = False
+        self.produced = 0
+        self.first_event: float | None = None
+        self.failure: BaseException | None = None
+        self.chunks: list[bytes] = []
+        self._json = False
+
+    def observe(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.body":
+            body = message.get("body", b"")
+            if not body:
+                return
+            self.produced += len(body)
+            if self.keep_body or (self._json and self.produced <= _JSON_LIMIT):
+                self.chunks.append(body)
+            meter = self.meter
+            if meter is not None:
+                meter.feed(body)
+                if self.first_event is None and meter.event_count:
+                    self.first_event = time.monotonic() - self.started
+        elif kind == "http.response.start":
+            self.status_code = message["status"]
+            for name, value in message.get("headers", ()):
+                if name.lower() == b"content-type":
+                    content_type = bytes(value).lower()
+                    if content_type.startswith(b"text/event-stream"):
+                        self.is_event_stream = True
+                        self.meter = StreamMeter(self.provider)
+                    elif content_type.startswith(b"application/json"):
+                        self._json = True
+                    break
+
+    def report(self) -> Any:
+        if self.meter is not None:
+            return self.meter.report()
+        if self._json and self.produced <= _JSON_LIMIT:
+            return _json_report(b"".join(self.chunks), self.provider)
+        return analyze(b"", self.provider)
+
+    def body_prefix(self, size: int, state: RequestState | None) -> bytes:
+        generation = state.generation if state is not None else None
+        if generation is not None:
+            parts: list[bytes] = []
+            offset = 0
+            while offset < size:
+                part = generation.read(offset, size - offset)
+                if not part:
+                    break
+                parts.append(part)
+                offset += len(part)
+            return b"".join(parts)[:size]
+        return b"".join(self.chunks)[:size]
+
+
+def _json_report(body: bytes, provider: str | None) -> Any:
+    """Usage from a non-streamed JSON response of any of the supported APIs."""
+    from .metering import StreamReport
+
+    try:
+        payload = _json.decode(body)
+    except msgspec.DecodeError:
+        payload = None
+    if not isinstance(payload, dict):
+        return analyze(b"", provider)
+    usage = payload.get("usage") or {}
+    meta = payload.get("usageMetadata") or {}
+    error = payload.get("error") if isinstance(payload.get("error"), dict) else None
+    input_tokens = usage.get(
+        "prompt_tokens", usage.get("input_tokens", meta.get("promptTokenCount"))
+    )
+    output_tokens = usage.get(
+        "completion_tokens", usage.get("output_tokens", meta.get("candidatesTokenCount"))
+    )
+    choices = payload.get("choices") or [{}]
+    finish = (
+        (choices[0] or {}).get("finish_reason")
+        or payload.get("stop_reason")
+        or payload.get("status")
+    )
+    if payload.get("object") == "chat.completion":
+        fmt: str | None = "openai_chat"
+    elif payload.get("object") == "response":
+        fmt = "openai_responses"
+    elif payload.get("type") == "message":
+        fmt = "anthropic_messages"
+    elif "candidates" in payload:
+        fmt = "gemini"
+    else:
+        fmt = provider
+    return StreamReport(
+        provider_format=fmt,
+        terminal_marker_seen=error is None and output_tokens is not None,
+        error=error,
+        error_type=(error or {}).get("type") if error else None,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        usage_source="provider" if output_tokens is not None else "none",
+        finish_reason=finish,
+        event_count=0,
+        model=payload.get("model"),
+    )
+
+
+async def _shield(coro: Awaitable[None]) -> None:
+    task = asyncio.ensure_future(coro)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait((task,))
+        raise

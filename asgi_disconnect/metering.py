@@ -1,0 +1,214 @@
+"""What a streamed LLM response said about itself: format, end, errors, usage and text.
+
+:func:`analyze` reads a whole ``text/event-stream`` body; :class:`StreamMeter` reads one while
+it is produced, a chunk at a time (MeteringMiddleware tees every body byte into one). Both give
+a :class:`StreamReport`. Supported wire formats: OpenAI Chat Completions (and the servers that
+speak it), OpenAI Responses, Anthropic Messages and Google Gemini; the format is detected from
+the first events unless it is given.
+
+    report = analyze(body)
+    if not report.terminal_marker_seen:
+        ...  # the stream was cut off: do not store it as a complete answer
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import msgspec
+
+from ._adapters import ADAPTERS, FORMATS, Adapter, StreamState, detect, error_frame
+from .sse import ServerSentEvent, SSEDecodeError, SSEDecoder
+
+__all__ = ["StreamMeter", "StreamReport", "analyze"]
+
+logger = logging.getLogger("asgi_disconnect")
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+# Events without a recognisable payload after which the stream is taken as not an LLM stream.
+_DETECTION_EVENTS = 16
+
+
+class StreamReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What one streamed response said.
+
+    - ``provider_format``: ``"openai_chat"``, ``"openai_responses"``, ``"anthropic_messages"``,
+      ``"gemini"``, or None when no event told.
+    - ``terminal_marker_seen``: the protocol's end arrived (``[DONE]``, ``response.completed``,
+      ``response.failed`` or ``response.incomplete``, ``message_stop``, Gemini's final
+      ``finishReason``); False means the stream was cut off.
+    - ``error`` / ``error_type``: the first error frame's error object and its most specific
+      reason (``code``, else ``type``, else ``status``); ``"sse_decode_error"`` when the stream
+      broke the decoder's size limits.
+    - token counts: the provider's last reported figures, None where it reported none;
+      ``output_tokens`` includes reasoning tokens. ``usage_source`` is ``"provider"`` when any
+      figure arrived, else ``"none"`` (a caller that estimates sets ``"estimated"``).
+    - ``finish_reason``: ``finish_reason`` / ``stop_reason`` / ``finishReason``, or for the
+      Responses API the response's status (its ``incomplete_details.reason`` if incomplete).
+    - ``event_count`` / ``comment_count``: events dispatched and comment lines seen.
+    - ``text``: the output text deltas, concatenated (tool-call arguments and reasoning are
+      not included).
+    - ``first_event_offset``: the stream offset just past the blank line that completed the
+      first event.
+    """
+
+    provider_format: str | None
+    terminal_marker_seen: bool
+    error: dict[str, Any] | None
+    error_type: str | None
+    input_tokens: int | None
+    output_tokens: int | None
+    cache_read_tokens: int | None = None
+    cache_write_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    usage_source: str
+    finish_reason: str | None
+    event_count: int
+    comment_count: int = 0
+    model: str | None = None
+    text: str = ""
+    first_event_offset: int | None = None
+
+
+class StreamMeter:
+    """Read a stream chunk by chunk; :meth:`feed` never awaits and never raises.
+
+    ``provider`` fixes the wire format (one of the ``provider_format`` names); None detects it.
+    A stream that breaks the decoder's limits (``max_event_bytes``, and 1 MiB per line) is
+    recorded as an ``"sse_decode_error"`` and its later bytes are ignored.
+    """
+
+    __slots__ = (
+        "_adapter",
+        "_decoder",
+        "_detections_left",
+        "_first_offset",
+        "_state",
+        "_stopped",
+        "event_count",
+    )
+
+    def __init__(self, provider: str | None = None, *, max_event_bytes: int = 4 << 20) -> None:
+        if provider is not None and provider not in ADAPTERS:
+            raise ValueError(f"provider must be one of {', '.join(FORMATS)} or None: {provider!r}")
+        self._decoder = SSEDecoder(max_event_bytes=max_event_bytes)
+        self._state = StreamState(provider)
+        self._adapter = ADAPTERS[provider] if provider is not None else None
+        self._detections_left = _DETECTION_EVENTS
+        self._first_offset: int | None = None
+        self._stopped = False
+        self.event_count = 0
+
+    @property
+    def provider_format(self) -> str | None:
+        """The wire format given or detected so far."""
+        return self._state.provider_format
+
+    def feed(self, chunk: bytes) -> None:
+        """Read the next ``chunk`` of the body."""
+        if self._stopped:
+            return
+        try:
+            if self._first_offset is None:
+                events = self._feed_first(chunk)
+            else:
+                events = self._decoder.feed(chunk)
+        except SSEDecodeError as exc:
+            self._stop({"type": "sse_decode_error", "message": str(exc)})
+            return
+        if events:
+            self.event_count += len(events)
+            try:
+                self._read(events)
+            except Exception:
+                # A meter must not break the response it measures.
+                logger.exception("metering failed; the rest of this stream is not metered")
+                self._stop({"type": "meter_error", "message": "the stream could not be metered"})
+
+    def report(self) -> StreamReport:
+        """What the stream said so far (call it when the stream has ended)."""
+        state = self._state
+        text = "".join(state.text)
+        state.text = [text] if text else []
+        figures = (
+            state.input_tokens,
+            state.output_tokens,
+            state.cache_read_tokens,
+            state.cache_write_tokens,
+            state.reasoning_tokens,
+        )
+        return StreamReport(
+            provider_format=state.provider_format,
+            terminal_marker_seen=state.terminal,
+            error=state.error,
+            error_type=state.error_type,
+            input_tokens=state.input_tokens,
+            output_tokens=state.output_tokens,
+            cache_read_tokens=state.cache_read_tokens,
+            cache_write_tokens=state.cache_write_tokens,
+            reasoning_tokens=state.reasoning_tokens,
+            usage_source="none" if figures.count(None) == len(figures) else "provider",
+            finish_reason=state.finish_reason,
+            event_count=self.event_count,
+            comment_count=self._decoder.comment_count,
+            model=state.model,
+            text=text,
+            first_event_offset=self._first_offset,
+        )
+
+    def _feed_first(self, chunk: bytes) -> list[ServerSentEvent]:
+        """Feed up to each blank line separately until the first event, to know its offset."""
+        decoder = self._decoder
+        base = decoder.bytes_fed
+        start = previous = 0
+        for match in _LINE_END.finditer(chunk):
+            line_start, line_end = match.span()
+            if line_start == previous:
+                events = decoder.feed(chunk[start:line_end])
+                start = line_end
+                if events:
+                    self._first_offset = base + line_end
+                    return events + decoder.feed(chunk[line_end:])
+            previous = line_end
+        return decoder.feed(chunk[start:])
+
+    def _read(self, events: list[ServerSentEvent]) -> None:
+        state = self._state
+        adapter = self._adapter
+        for event in events:
+            if adapter is None:
+                adapter = self._detect(event)
+                if adapter is None:
+                    if event.event == "error":
+                        error_frame(state, event.data)
+                    elif event.data == "[DONE]":
+                        state.terminal = True
+                    continue
+            if event.data == "[DONE]":
+                state.terminal = True
+            else:
+                adapter(state, event)
+
+    def _detect(self, event: ServerSentEvent) -> Adapter | None:
+        if not self._detections_left:
+            return None
+        self._detections_left -= 1
+        provider_format = detect(event)
+        if provider_format is None:
+            return None
+        self._state.provider_format = provider_format
+        self._adapter = ADAPTERS[provider_format]
+        return self._adapter
+
+    def _stop(self, error: dict[str, Any]) -> None:
+        self._stopped = True
+        self._state.set_error(error, "")
+
+
+def analyze(body: bytes, provider: str | None = None) -> StreamReport:
+    """Analyze a whole ``text/event-stream`` body; ``provider`` as for :class:`StreamMeter`."""
+    meter = StreamMeter(provider)
+    meter.feed(body)
+    return meter.report()
