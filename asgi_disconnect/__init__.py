@@ -48,14 +48,19 @@ def install(
     provider: str | Callable[[Scope], str | None] | None = None,
     reservations: Reservations | None = None,
     tokenizer: Callable[[str], int] = estimate_tokens,
+    store_usage: bool = True,
     **options: Any,
 ) -> None:
     """Add the package's middleware stack to a Starlette or FastAPI ``app``.
 
     Outermost first: :class:`DisconnectMiddleware` (``options``: ``backend``, ``policy``,
     ``principal``, ``resume_prefix``, ...), then :class:`MeteringMiddleware` (``sinks``,
-    ``provider``, ``reservations``, ``tokenizer``).
+    ``provider``, ``reservations``, ``tokenizer``). With ``store_usage`` (the default) each
+    record is also written to the backend's usage table.
     """
+    backend = options.get("backend")
+    if store_usage and backend is not None:
+        sinks = (*sinks, backend.record_usage)
     app.add_middleware(
         MeteringMiddleware,
         sinks=sinks,

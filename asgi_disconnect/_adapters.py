@@ -30,6 +30,7 @@ _ANTHROPIC_EVENTS = frozenset(
     }
 )
 _RESPONSES_TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete"})
+_ANY = msgspec.json.Decoder()
 
 
 class StreamState:
@@ -86,7 +87,7 @@ def _error_type(error: dict[str, Any]) -> str:
 
 
 def error_frame(state: StreamState, data: str) -> None:
-    """An ``event: error`` frame, or a payload that is only an error."""
+    """Record an ``event: error`` frame: its ``error`` member, else its whole payload."""
     try:
         payload = _ANY.decode(data)
     except msgspec.DecodeError:
@@ -105,9 +106,6 @@ def _fallback(state: StreamState, data: str) -> None:
     if isinstance(payload, dict) and (payload.get("error") or payload.get("type") == "error"):
         inner = payload.get("error")
         state.set_error(inner if inner else payload, data)
-
-
-_ANY = msgspec.json.Decoder()
 
 
 # OpenAI Chat Completions (and the many servers that speak it).

@@ -111,21 +111,21 @@ class StreamMeter:
         if self._stopped:
             return
         try:
+            if type(chunk) is not bytes:
+                chunk = bytes(chunk)
             if self._first_offset is None:
                 events = self._feed_first(chunk)
             else:
                 events = self._decoder.feed(chunk)
+            if events:
+                self.event_count += len(events)
+                self._read(events)
         except SSEDecodeError as exc:
             self._stop({"type": "sse_decode_error", "message": str(exc)})
-            return
-        if events:
-            self.event_count += len(events)
-            try:
-                self._read(events)
-            except Exception:
-                # A meter must not break the response it measures.
-                logger.exception("metering failed; the rest of this stream is not metered")
-                self._stop({"type": "meter_error", "message": "the stream could not be metered"})
+        except Exception:
+            # A meter must not break the response it measures.
+            logger.exception("metering failed; the rest of this stream is not metered")
+            self._stop({"type": "meter_error", "message": "the stream could not be metered"})
 
     def report(self) -> StreamReport:
         """What the stream said so far (call it when the stream has ended)."""

@@ -108,7 +108,7 @@ class SSEDecoder:
         self._comments = 0
         self._retry: int | None = None
         self._tail: list[bytes] = []  # the unparsed bytes since the last blank line
-        self._tail_len = 0  # plus _partial, at least the size of the tail
+        self._tail_len = 0  # with _partial, an upper bound of the tail's size
         self._partial = 0  # the length of the unterminated line
         self._dirty = False  # field lines were parsed since the last blank line
         self._data = bytearray()
@@ -141,7 +141,10 @@ class SSEDecoder:
         return retry
 
     def feed(self, chunk: bytes) -> list[ServerSentEvent]:
-        """Decode ``chunk``; return the events it completed, in order."""
+        """Decode ``chunk``; return the events it completed, in order.
+
+        Raises :class:`SSEDecodeError` when the stream breaks a size limit, and from then on.
+        """
         size = len(chunk)
         self.bytes_fed += size
         if self._special or 13 in chunk:
@@ -234,7 +237,10 @@ class SSEDecoder:
         return out
 
     def close(self) -> list[ServerSentEvent]:
-        """End of stream: discard an event that was cut off (it is never dispatched)."""
+        """End of stream: discard an event that was cut off, which is never dispatched.
+
+        Returns no events; it exists so that a stream's end is explicit, like :meth:`feed`.
+        """
         self._comments = self.comment_count
         self._retry = self.retry
         self._tail = []

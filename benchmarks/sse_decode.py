@@ -171,6 +171,9 @@ def main() -> None:
         "recorded vectors": repeat_to(vectors, size),
         "synthetic 1,000-token OpenAI": repeat_to(synthetic_openai_stream(), size),
     }
+    for body_name, body in bodies.items():
+        events = len(decode_ours([body]))
+        print(f"{body_name}: {len(body) / 1e6:.1f} MB, {events:,} events")
     names = list(decoders)
     header = f"{'body':30} {'chunks':10}" + "".join(f"{name + ' MB/s':>22}" for name in names)
     print(header + f"{'ours / fastest peer':>22}")

@@ -8,20 +8,22 @@ in-process unless UPSTREAM_URL is set):
   resume with ``GET /generations/{id}/stream?offset=N``.
 
 ``GET /demo/upstream`` shows what the upstream generated for each call, and whether its
-connection was closed early. Run: ``python examples/gateway.py`` (port 8000).
+connection was closed early; ``GET /demo/usage`` shows the usage record of each request.
+Run: ``python examples/gateway.py`` (port 8000).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections import deque
 from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from asgi_disconnect import connect, disconnect_policy, install
+from asgi_disconnect import UsageRecord, connect, disconnect_policy, install
 from asgi_disconnect.testing import FakeProvider
 from asgi_disconnect.upstream import track_response
 
@@ -30,6 +32,7 @@ RATE = float(os.environ.get("DEMO_TOKENS_PER_SECOND", "20"))
 
 provider: FakeProvider | None = None
 client: httpx.AsyncClient
+usage: deque[UsageRecord] = deque(maxlen=50)
 
 
 @contextlib.asynccontextmanager
@@ -82,6 +85,22 @@ async def report(request: Request) -> StreamingResponse:
     return StreamingResponse(forward(_body(await request.body())), media_type="text/event-stream")
 
 
+@app.get("/demo/usage")
+async def usage_records() -> list[dict[str, object]]:
+    fields = (
+        "generation_id",
+        "route",
+        "outcome",
+        "policy",
+        "usage_source",
+        "output_tokens",
+        "delivered_output_tokens",
+        "produced_bytes",
+        "delivered_bytes",
+    )
+    return [{name: getattr(r, name) for name in fields} for r in reversed(usage)]
+
+
 @app.get("/demo/upstream")
 async def upstream_calls() -> list[dict[str, object]]:
     if provider is None:
@@ -100,7 +119,9 @@ async def upstream_calls() -> list[dict[str, object]]:
 
 # The embedded default: durable, and shared by several worker processes on this machine.
 install(
-    app, backend=connect(os.environ.get("ASGI_DISCONNECT_BACKEND", "sqlite:///demo-generations.db"))
+    app,
+    backend=connect(os.environ.get("ASGI_DISCONNECT_BACKEND", "sqlite:///demo-generations.db")),
+    sinks=[usage.append],
 )
 
 

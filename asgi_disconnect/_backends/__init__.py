@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import asyncpg
 
     from .._log import Generation, GenerationInfo
+    from .._metering import UsageRecord
 
 __all__ = ["Backend", "BackendUnavailable", "DurableBackend", "MemoryBackend", "connect"]
 
@@ -48,6 +49,12 @@ class Backend(Protocol):
 
     def follow(self, generation_id: str, offset: int) -> AsyncIterator[bytes]:
         """Its bytes from ``offset``, then live until it ends."""
+
+    def record_usage(self, record: UsageRecord) -> None:
+        """Store a usage record (a sink for :class:`MeteringMiddleware`); never awaits."""
+
+    async def usage_of(self, generation_id: str) -> list[UsageRecord]:
+        """The usage records stored for a generation."""
 
 
 def connect(

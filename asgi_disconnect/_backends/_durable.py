@@ -9,10 +9,14 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
+
 from .._log import Generation, GenerationInfo, Status
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+
+    from .._metering import UsageRecord
 
 __all__ = ["BackendUnavailable", "DurableBackend", "FlushBatch", "SQLStore"]
 
@@ -39,15 +43,34 @@ class FlushBatch:
     changed: list[tuple[str, str | None, bool]] = field(default_factory=list)
     # (id, status, size, error)
     finished: list[tuple[str, str, int, str | None]] = field(default_factory=list)
+    # (generation_id, principal, route, outcome, input_tokens, output_tokens, usage_source,
+    #  the whole record as JSON)
+    usage: list[UsageRow] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.created or self.chunks or self.changed or self.finished)
+        return bool(self.created or self.chunks or self.changed or self.finished or self.usage)
 
     def touched(self) -> set[str]:
         ids = {row[0] for row in self.chunks}
         ids.update(row[0] for row in self.finished)
         ids.update(row[0] for row in self.changed)
         return ids
+
+
+UsageRow = tuple[str | None, str | None, str, str, int | None, int | None, str, bytes]
+
+
+def usage_row(record: UsageRecord) -> UsageRow:
+    return (
+        record.generation_id,
+        record.principal,
+        record.route,
+        record.outcome,
+        record.input_tokens,
+        record.output_tokens,
+        record.usage_source,
+        msgspec.json.encode(record),
+    )
 
 
 class SQLStore(Protocol):
@@ -64,6 +87,7 @@ class SQLStore(Protocol):
     async def reap(self, limit: int) -> int: ...
     async def info(self, generation_id: str) -> tuple[GenerationInfo, str] | None: ...
     async def read(self, generation_id: str, offset: int, limit: int) -> bytes: ...
+    async def usage(self, generation_id: str) -> list[bytes]: ...
     async def changed(self, generation_id: str, timeout: float) -> None: ...
 
 
@@ -126,6 +150,7 @@ class DurableBackend:
         self._worker: asyncio.Task[None] | None = None
         self._flush_lock: asyncio.Lock | None = None
         self._failures = 0
+        self._usage: list[UsageRow] = []
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -180,6 +205,19 @@ class DurableBackend:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    def record_usage(self, record: UsageRecord) -> None:
+        """A usage sink: the record is written with the next flush."""
+        self._usage.append(usage_row(record))
+
+    async def usage_of(self, generation_id: str) -> list[UsageRecord]:
+        """The usage records stored for a generation (normally one)."""
+        from .._metering import UsageRecord
+
+        await self._ensure_open()
+        rows = await self.store.usage(generation_id)
+        pending = [row[7] for row in self._usage if row[0] == generation_id]
+        return [msgspec.json.decode(raw, type=UsageRecord) for raw in [*rows, *pending]]
+
     def register(self, generation: Generation) -> None:
         self._live[generation.id] = _Tracked(generation)
         if not self._opened and self._opening is None:
@@ -233,8 +271,14 @@ class DurableBackend:
         assert lock is not None
         async with lock:
             batch, more, done = self._collect()
+            usage, self._usage = self._usage, []
+            batch.usage = usage
             if batch:
-                await self.store.flush(batch)
+                try:
+                    await self.store.flush(batch)
+                except BaseException:
+                    self._usage[:0] = usage
+                    raise
                 self._committed(batch, done)
             return more
 

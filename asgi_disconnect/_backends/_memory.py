@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from .._log import Generation, GenerationInfo
+    from .._metering import UsageRecord
 
 __all__ = ["MemoryBackend"]
 
@@ -31,12 +32,20 @@ class MemoryBackend:
         self._ttl = ttl
         self._max = max_generations
         self._generations: OrderedDict[str, Generation] = OrderedDict()
+        self.usage: deque[UsageRecord] = deque(maxlen=max_generations)
 
     async def open(self) -> None:
         return None
 
     async def aclose(self) -> None:
         return None
+
+    def record_usage(self, record: UsageRecord) -> None:
+        """A usage sink: keeps the newest ``max_generations`` records in ``usage``."""
+        self.usage.append(record)
+
+    async def usage_of(self, generation_id: str) -> list[UsageRecord]:
+        return [record for record in self.usage if record.generation_id == generation_id]
 
     def __len__(self) -> int:
         return len(self._generations)

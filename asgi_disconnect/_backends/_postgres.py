@@ -215,6 +215,10 @@ class PostgresStore:
                     [r[2] for r in batch.changed],
                     batch.owner,
                 )
+            if batch.usage:
+                await conn.executemany(
+                    sql["usage"], [(*row[:7], row[7].decode()) for row in batch.usage]
+                )
             if batch.finished:
                 await conn.execute(
                     sql["finished"],
@@ -279,6 +283,13 @@ class PostgresStore:
             row[10],
         )
 
+    async def usage(self, generation_id: str) -> list[bytes]:
+        rows = await self.pool.fetch(
+            f"select record::text from {self._t}usage where generation_id = $1 order by id",
+            generation_id,
+        )
+        return [row[0].encode() for row in rows]
+
     async def read(self, generation_id: str, offset: int, limit: int) -> bytes:
         rows = await self.pool.fetch(self._sql["read"], generation_id, offset, 256)
         parts: list[bytes] = []
@@ -318,6 +329,19 @@ create index if not exists asgi_disconnect_generations_lease
     on {t}generations (status, lease_until);
 create index if not exists asgi_disconnect_generations_expiry
     on {t}generations (expires_at);
+create table if not exists {t}usage (
+    id bigserial primary key,
+    generation_id text,
+    principal text,
+    route text not null,
+    outcome text not null,
+    input_tokens integer,
+    output_tokens integer,
+    usage_source text not null,
+    recorded_at timestamptz not null default now(),
+    record jsonb not null
+);
+create index if not exists asgi_disconnect_usage_generation on {t}usage (generation_id);
 create table if not exists {t}chunks (
     generation_id text not null,
     start bigint not null,
@@ -369,6 +393,10 @@ def _statements(t: str) -> dict[str, str]:
                 error = 'its owner stopped renewing its lease'
             where status = 'running' and lease_until < now()
             returning id""",
+        "usage": f"""
+            insert into {t}usage (generation_id, principal, route, outcome, input_tokens,
+                                  output_tokens, usage_source, record)
+            values ($1, $2, $3, $4, $5, $6, $7, $8::jsonb)""",
         "expired": f"select id from {t}generations where expires_at < now() limit $1",
         "info": f"""
             select id, status, policy, size, status_code, content_type,

@@ -46,6 +46,20 @@ create index if not exists asgi_disconnect_generations_lease
     on asgi_disconnect_generations (status, lease_until);
 create index if not exists asgi_disconnect_generations_expiry
     on asgi_disconnect_generations (expires_at);
+create table if not exists asgi_disconnect_usage (
+    id integer primary key autoincrement,
+    generation_id text,
+    principal text,
+    route text not null,
+    outcome text not null,
+    input_tokens integer,
+    output_tokens integer,
+    usage_source text not null,
+    recorded_at real not null,
+    record text not null
+);
+create index if not exists asgi_disconnect_usage_generation
+    on asgi_disconnect_usage (generation_id);
 create table if not exists asgi_disconnect_chunks (
     generation_id text not null,
     start integer not null,
@@ -223,6 +237,17 @@ class SQLiteStore:
         )
         return _join(rows, offset, limit)
 
+    async def usage(self, generation_id: str) -> list[bytes]:
+        def select() -> list[bytes]:
+            assert self._db is not None
+            rows = self._db.execute(
+                "select record from asgi_disconnect_usage where generation_id = ? order by id",
+                (generation_id,),
+            )
+            return [row[0].encode() for row in rows]
+
+        return await self._run(select)
+
     async def changed(self, generation_id: str, timeout: float) -> None:
         await asyncio.sleep(timeout)
 
@@ -258,6 +283,13 @@ def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:
             "update asgi_disconnect_generations set policy = ?, detached = ? "
             "where id = ? and owner = ?",
             [(policy, int(detached), gid, batch.owner) for gid, policy, detached in batch.changed],
+        )
+    if batch.usage:
+        db.executemany(
+            "insert into asgi_disconnect_usage (generation_id, principal, route, outcome, "
+            "input_tokens, output_tokens, usage_source, record, recorded_at) "
+            f"values (?, ?, ?, ?, ?, ?, ?, ?, {_NOW})",
+            [(*row[:7], row[7].decode()) for row in batch.usage],
         )
     if batch.finished:
         # Fenced by the owner token: a generation swept as interrupted stays so.

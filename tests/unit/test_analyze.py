@@ -232,6 +232,13 @@ def test_a_failing_adapter_stops_metering_without_raising(
     assert "metering failed" in caplog.text
 
 
+def test_the_meter_takes_any_bytes_like_chunk() -> None:
+    meter = StreamMeter()
+    meter.feed(bytearray(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'))  # type: ignore[arg-type]
+    meter.feed(memoryview(b"data: [DONE]\n\n"))  # type: ignore[arg-type]
+    assert (meter.report().text, meter.report().terminal_marker_seen) == ("a", True)
+
+
 def test_an_unknown_provider_is_refused() -> None:
     with pytest.raises(ValueError, match="openai_chat"):
         StreamMeter("openai")

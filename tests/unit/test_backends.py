@@ -327,3 +327,40 @@ async def test_resume_past_the_durable_size_waits_for_the_flush(sqlite_url: str)
     finally:
         await writer.aclose()
         await reader.aclose()
+
+
+async def test_usage_records_are_stored(backend_url: str) -> None:
+    from asgi_disconnect import UsageRecord
+
+    backend = connect(backend_url)
+    await backend.open()
+    try:
+        record = UsageRecord(
+            generation_id=GID,
+            principal="alice",
+            method="POST",
+            route="/v1/chat",
+            status_code=200,
+            provider="openai_chat",
+            model="m",
+            outcome="cancelled",
+            input_tokens=12,
+            output_tokens=30,
+            usage_source="estimated",
+            produced_bytes=900,
+            delivered_bytes=700,
+            produced_output_tokens=30,
+            delivered_output_tokens=23,
+            time_to_first_event=0.1,
+            duration=1.5,
+            finish_reason=None,
+            error_type=None,
+            started_at=1.0,
+        )
+        backend.record_usage(record)
+        if isinstance(backend, DurableBackend):
+            await settle(backend)
+        assert await backend.usage_of(GID) == [record]
+        assert await backend.usage_of("gen_" + "B" * 24) == []
+    finally:
+        await backend.aclose()

@@ -254,3 +254,19 @@ async def test_standalone_without_disconnect_middleware() -> None:
     assert record.outcome == "complete"
     assert record.generation_id is None
     assert record.delivered_bytes == record.produced_bytes == len(OPENAI)
+
+
+async def test_install_stores_one_record_per_request_in_the_backend(tmp_path: Path) -> None:
+    from asgi_disconnect import connect, install
+
+    app = gateway(OPENAI, delay=0.001)
+    backend = connect(f"sqlite:///{tmp_path / 'usage.db'}", flush_interval=0.02)
+    install(app, backend=backend)
+    async with lifespan(app):
+        done = await drive(app, path="/stream")
+        cut = await drive(app, path="/stream", disconnect_after_bytes=500)
+        await asyncio.sleep(0.2)
+        (whole,) = await backend.usage_of(done.header("x-generation-id"))  # type: ignore[arg-type]
+        (partial,) = await backend.usage_of(cut.header("x-generation-id"))  # type: ignore[arg-type]
+    assert whole.outcome == "complete"
+    assert partial.outcome == "cancelled"
