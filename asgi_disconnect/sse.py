@@ -233,7 +233,15 @@ class SSEDecoder:
             chunk = b"".join(self._tail)
         self._tail = [rest] if rest else []
         self._tail_len = len(rest) - self._partial
-        self._parse(chunk.decode("utf-8", "replace"), len(chunk) > self._fast_limit, out)
+        text = chunk.decode("utf-8", "replace")
+        if self._dirty or len(chunk) > self._fast_limit:
+            self._parse(text, len(chunk) > self._fast_limit, out)
+        elif text[:7] == "event: ":
+            self._event_run(text, out)
+        elif text[:6] == "data: ":
+            self._data_run(text, out)
+        else:
+            self._parse(text, False, out)
         return out
 
     def close(self) -> list[ServerSentEvent]:

@@ -7,10 +7,11 @@ import logging
 import secrets
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from .._claims import Claim, ClaimState, StoredResponse
 from .._log import Generation, GenerationInfo, Status
 
 if TYPE_CHECKING:
@@ -73,6 +74,28 @@ def usage_row(record: UsageRecord) -> UsageRow:
     )
 
 
+def encode_response(response: StoredResponse) -> bytes:
+    return msgspec.msgpack.encode(response)
+
+
+def claim_from_row(row: Any, fingerprint: bytes) -> Claim:
+    """Read a claim someone else holds: (status, fingerprint, seconds left, response, gen)."""
+    if row is None:
+        # Released between our insert and our read: the next attempt may take it.
+        return Claim(state=ClaimState.RUNNING, retry_after=0.0)
+    status, stored_fingerprint, left, response, generation_id = row
+    if bytes(stored_fingerprint) != fingerprint:
+        return Claim(state=ClaimState.MISMATCH)
+    if status == "completed":
+        stored = msgspec.msgpack.decode(bytes(response), type=StoredResponse)
+        return Claim(state=ClaimState.COMPLETED, response=stored, generation_id=generation_id)
+    return Claim(
+        state=ClaimState.RUNNING,
+        retry_after=max(0.0, float(left or 0.0)),
+        generation_id=generation_id,
+    )
+
+
 class SQLStore(Protocol):
     """The database half of a durable backend."""
 
@@ -88,6 +111,21 @@ class SQLStore(Protocol):
     async def info(self, generation_id: str) -> tuple[GenerationInfo, str] | None: ...
     async def read(self, generation_id: str, offset: int, limit: int) -> bytes: ...
     async def usage(self, generation_id: str) -> list[bytes]: ...
+    async def claim(
+        self,
+        principal: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        owner: str,
+        process: str,
+        lease: float,
+        ttl: float,
+    ) -> Claim: ...
+    async def complete_claim(
+        self, principal: str, key: str, *, owner: str, response: StoredResponse, ttl: float
+    ) -> bool: ...
+    async def release_claim(self, principal: str, key: str, *, owner: str) -> bool: ...
     async def changed(self, generation_id: str, timeout: float) -> None: ...
 
 
@@ -217,6 +255,31 @@ class DurableBackend:
         rows = await self.store.usage(generation_id)
         pending = [row[7] for row in self._usage if row[0] == generation_id]
         return [msgspec.json.decode(raw, type=UsageRecord) for raw in [*rows, *pending]]
+
+    # -- claims: straight to the store, never batched ----------------------------------
+
+    async def claim(
+        self, principal: str, key: str, fingerprint: bytes, *, owner: str, lease: float, ttl: float
+    ) -> Claim:
+        await self._ensure_open()
+        return await self.store.claim(
+            principal, key, fingerprint, owner=owner, process=self.owner, lease=lease, ttl=ttl
+        )
+
+    async def renew_claims(self, owner: str, lease: float) -> None:
+        await self.store.heartbeat(self.owner, lease)
+
+    async def complete_claim(
+        self, principal: str, key: str, *, owner: str, response: StoredResponse, ttl: float
+    ) -> bool:
+        await self._ensure_open()
+        return await self.store.complete_claim(
+            principal, key, owner=owner, response=response, ttl=ttl
+        )
+
+    async def release_claim(self, principal: str, key: str, *, owner: str) -> bool:
+        await self._ensure_open()
+        return await self.store.release_claim(principal, key, owner=owner)
 
     def register(self, generation: Generation) -> None:
         self._live[generation.id] = _Tracked(generation)

@@ -6,6 +6,8 @@ import time
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
+from .._claims import Claim, ClaimState, StoredResponse
+
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
@@ -13,6 +15,17 @@ if TYPE_CHECKING:
     from .._metering import UsageRecord
 
 __all__ = ["MemoryBackend"]
+
+
+class _MemoryClaim:
+    __slots__ = ("expires_at", "fingerprint", "lease_until", "owner", "response")
+
+    def __init__(self, fingerprint: bytes, owner: str, lease_until: float, expires_at: float):
+        self.fingerprint = fingerprint
+        self.owner = owner
+        self.lease_until = lease_until
+        self.expires_at = expires_at
+        self.response: StoredResponse | None = None
 
 
 class MemoryBackend:
@@ -33,12 +46,57 @@ class MemoryBackend:
         self._max = max_generations
         self._generations: OrderedDict[str, Generation] = OrderedDict()
         self.usage: deque[UsageRecord] = deque(maxlen=max_generations)
+        self._claims: dict[tuple[str, str], _MemoryClaim] = {}
 
     async def open(self) -> None:
         return None
 
     async def aclose(self) -> None:
         return None
+
+    # -- claims (the monotonic clock stands in for a database's) --------------------
+
+    async def claim(
+        self, principal: str, key: str, fingerprint: bytes, *, owner: str, lease: float, ttl: float
+    ) -> Claim:
+        now = time.monotonic()
+        held = self._claims.get((principal, key))
+        if held is not None and held.expires_at >= now:
+            if held.fingerprint != fingerprint:
+                return Claim(state=ClaimState.MISMATCH)
+            if held.response is not None:
+                return Claim(
+                    state=ClaimState.COMPLETED,
+                    response=held.response,
+                    generation_id=held.response.generation_id,
+                )
+            if held.lease_until >= now:
+                return Claim(state=ClaimState.RUNNING, retry_after=held.lease_until - now)
+        self._claims[(principal, key)] = _MemoryClaim(fingerprint, owner, now + lease, now + ttl)
+        return Claim(state=ClaimState.ACQUIRED)
+
+    async def renew_claims(self, owner: str, lease: float) -> None:
+        deadline = time.monotonic() + lease
+        for held in self._claims.values():
+            if held.response is None and held.owner.startswith(owner):
+                held.lease_until = deadline
+
+    async def complete_claim(
+        self, principal: str, key: str, *, owner: str, response: StoredResponse, ttl: float
+    ) -> bool:
+        held = self._claims.get((principal, key))
+        if held is None or held.owner != owner or held.response is not None:
+            return False
+        held.response = response
+        held.expires_at = time.monotonic() + ttl
+        return True
+
+    async def release_claim(self, principal: str, key: str, *, owner: str) -> bool:
+        held = self._claims.get((principal, key))
+        if held is None or held.owner != owner or held.response is not None:
+            return False
+        del self._claims[(principal, key)]
+        return True
 
     def record_usage(self, record: UsageRecord) -> None:
         """A usage sink: keeps the newest ``max_generations`` records in ``usage``."""

@@ -8,8 +8,9 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
+from .._claims import Claim, ClaimState, StoredResponse
 from .._log import GenerationInfo, Status
-from ._durable import BackendUnavailable, FlushBatch
+from ._durable import BackendUnavailable, FlushBatch, claim_from_row, encode_response
 
 if TYPE_CHECKING:
     import asyncpg
@@ -243,6 +244,48 @@ class PostgresStore:
 
     async def heartbeat(self, owner: str, lease: float) -> None:
         await self.pool.execute(self._sql["heartbeat"], owner, lease)
+        await self.pool.execute(self._sql["renew_claims"], owner, lease)
+
+    # -- claims -----------------------------------------------------------------------
+
+    async def claim(
+        self,
+        principal: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        owner: str,
+        process: str,
+        lease: float,
+        ttl: float,
+    ) -> Claim:
+        sql = self._sql
+        async with self.pool.acquire(timeout=10) as conn:
+            won = await conn.fetchval(
+                sql["claim"], principal, key, fingerprint, owner, process, lease, ttl
+            )
+            if won == owner:
+                return Claim(state=ClaimState.ACQUIRED)
+            row = await conn.fetchrow(sql["claim_row"], principal, key)
+        return claim_from_row(None if row is None else tuple(row), fingerprint)
+
+    async def complete_claim(
+        self, principal: str, key: str, *, owner: str, response: StoredResponse, ttl: float
+    ) -> bool:
+        status = await self.pool.execute(
+            self._sql["complete_claim"],
+            encode_response(response),
+            response.generation_id,
+            ttl,
+            principal,
+            key,
+            owner,
+        )
+        return bool(status == "UPDATE 1")
+
+    async def release_claim(self, principal: str, key: str, *, owner: str) -> bool:
+        status = await self.pool.execute(self._sql["release_claim"], principal, key, owner)
+        return bool(status == "DELETE 1")
 
     async def sweep(self, ttl: float) -> list[str]:
         rows = await self.pool.fetch(self._sql["sweep"], ttl)
@@ -259,7 +302,8 @@ class PostgresStore:
                     f"delete from {self._t}chunks where generation_id = any($1)", ids
                 )
                 await conn.execute(f"delete from {self._t}generations where id = any($1)", ids)
-        return len(ids)
+            claims = await conn.execute(self._sql["reap_claims"], limit)
+        return max(len(ids), int(claims.split()[-1]))
 
     # -- reads ----------------------------------------------------------------------
 
@@ -342,6 +386,21 @@ create table if not exists {t}usage (
     record jsonb not null
 );
 create index if not exists asgi_disconnect_usage_generation on {t}usage (generation_id);
+create table if not exists {t}claims (
+    principal text not null,
+    key text not null,
+    fingerprint bytea not null,
+    owner text not null,
+    process text not null,
+    status text not null,
+    lease_until timestamptz,
+    expires_at timestamptz not null,
+    response bytea,
+    generation_id text,
+    primary key (principal, key)
+);
+create index if not exists asgi_disconnect_claims_expiry on {t}claims (expires_at);
+create index if not exists asgi_disconnect_claims_process on {t}claims (process, status);
 create table if not exists {t}chunks (
     generation_id text not null,
     start bigint not null,
@@ -397,6 +456,37 @@ def _statements(t: str) -> dict[str, str]:
             insert into {t}usage (generation_id, principal, route, outcome, input_tokens,
                                   output_tokens, usage_source, record)
             values ($1, $2, $3, $4, $5, $6, $7, $8::jsonb)""",
+        "claim": f"""
+            insert into {t}claims
+                (principal, key, fingerprint, owner, process, status, lease_until, expires_at)
+            values ($1, $2, $3, $4, $5, 'running', now() + make_interval(secs => $6),
+                    now() + make_interval(secs => $7))
+            on conflict (principal, key) do update set
+                fingerprint = excluded.fingerprint, owner = excluded.owner,
+                process = excluded.process, status = 'running',
+                lease_until = excluded.lease_until, expires_at = excluded.expires_at,
+                response = null, generation_id = null
+            where {t}claims.expires_at < now()
+               or ({t}claims.status = 'running' and {t}claims.lease_until < now()
+                   and {t}claims.fingerprint = excluded.fingerprint)
+            returning owner""",
+        "claim_row": f"""
+            select status, fingerprint,
+                   extract(epoch from lease_until - now())::float8, response, generation_id
+            from {t}claims where principal = $1 and key = $2""",
+        "complete_claim": f"""
+            update {t}claims set status = 'completed', response = $1, generation_id = $2,
+                expires_at = now() + make_interval(secs => $3), lease_until = null
+            where principal = $4 and key = $5 and owner = $6 and status = 'running'""",
+        "release_claim": f"""
+            delete from {t}claims
+            where principal = $1 and key = $2 and owner = $3 and status = 'running'""",
+        "renew_claims": f"""
+            update {t}claims set lease_until = now() + make_interval(secs => $2)
+            where process = $1 and status = 'running'""",
+        "reap_claims": f"""
+            delete from {t}claims where ctid in (
+                select ctid from {t}claims where expires_at < now() limit $1)""",
         "expired": f"select id from {t}generations where expires_at < now() limit $1",
         "info": f"""
             select id, status, policy, size, status_code, content_type,

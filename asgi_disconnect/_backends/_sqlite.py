@@ -7,8 +7,9 @@ import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .._claims import Claim, ClaimState, StoredResponse
 from .._log import GenerationInfo, Status
-from ._durable import BackendUnavailable, FlushBatch
+from ._durable import BackendUnavailable, FlushBatch, claim_from_row, encode_response
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -60,6 +61,22 @@ create table if not exists asgi_disconnect_usage (
 );
 create index if not exists asgi_disconnect_usage_generation
     on asgi_disconnect_usage (generation_id);
+create table if not exists asgi_disconnect_claims (
+    principal text not null,
+    key text not null,
+    fingerprint blob not null,
+    owner text not null,
+    process text not null,
+    status text not null,
+    lease_until real,
+    expires_at real not null,
+    response blob,
+    generation_id text,
+    primary key (principal, key)
+);
+create index if not exists asgi_disconnect_claims_expiry on asgi_disconnect_claims (expires_at);
+create index if not exists asgi_disconnect_claims_process
+    on asgi_disconnect_claims (process, status);
 create table if not exists asgi_disconnect_chunks (
     generation_id text not null,
     start integer not null,
@@ -67,6 +84,22 @@ create table if not exists asgi_disconnect_chunks (
     sizes blob not null,
     primary key (generation_id, start)
 ) without rowid;
+"""
+
+# One statement: a fresh claim, a takeover of an expired lease (same fingerprint only),
+# or nothing at all when someone else holds the key.
+_CLAIM = f"""
+insert into asgi_disconnect_claims
+    (principal, key, fingerprint, owner, process, status, lease_until, expires_at)
+values (?1, ?2, ?3, ?4, ?5, 'running', {_NOW} + ?6, {_NOW} + ?7)
+on conflict (principal, key) do update set
+    fingerprint = excluded.fingerprint, owner = excluded.owner, process = excluded.process,
+    status = 'running', lease_until = excluded.lease_until, expires_at = excluded.expires_at,
+    response = null, generation_id = null
+where asgi_disconnect_claims.expires_at < {_NOW}
+   or (asgi_disconnect_claims.status = 'running' and asgi_disconnect_claims.lease_until < {_NOW}
+       and asgi_disconnect_claims.fingerprint = excluded.fingerprint)
+returning owner
 """
 
 _INFO = f"""
@@ -169,6 +202,11 @@ class SQLiteStore:
                 "where owner = ? and status = 'running'",
                 (lease, owner),
             )
+            db.execute(
+                f"update asgi_disconnect_claims set lease_until = {_NOW} + ? "
+                "where process = ? and status = 'running'",
+                (lease, owner),
+            )
 
         await self._run(self._write, renew)
 
@@ -196,7 +234,12 @@ class SQLiteStore:
             ]
             db.executemany("delete from asgi_disconnect_chunks where generation_id = ?", ids)
             db.executemany("delete from asgi_disconnect_generations where id = ?", ids)
-            return len(ids)
+            claims = db.execute(
+                "delete from asgi_disconnect_claims where rowid in (select rowid from "
+                f"asgi_disconnect_claims where expires_at < {_NOW} limit ?)",
+                (limit,),
+            ).rowcount
+            return max(len(ids), claims)
 
         return await self._run(self._write, delete)
 
@@ -247,6 +290,59 @@ class SQLiteStore:
             return [row[0].encode() for row in rows]
 
         return await self._run(select)
+
+    # -- claims ---------------------------------------------------------------------
+
+    async def claim(
+        self,
+        principal: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        owner: str,
+        process: str,
+        lease: float,
+        ttl: float,
+    ) -> Claim:
+        def take(db: sqlite3.Connection) -> Claim:
+            won = db.execute(
+                _CLAIM, (principal, key, fingerprint, owner, process, lease, ttl)
+            ).fetchone()
+            if won is not None and won[0] == owner:
+                return Claim(state=ClaimState.ACQUIRED)
+            row = db.execute(
+                f"select status, fingerprint, lease_until - {_NOW}, response, generation_id "
+                "from asgi_disconnect_claims where principal = ? and key = ?",
+                (principal, key),
+            ).fetchone()
+            return claim_from_row(row, fingerprint)
+
+        return await self._run(self._write, take)
+
+    async def complete_claim(
+        self, principal: str, key: str, *, owner: str, response: StoredResponse, ttl: float
+    ) -> bool:
+        def complete(db: sqlite3.Connection) -> bool:
+            cursor = db.execute(
+                "update asgi_disconnect_claims set status = 'completed', response = ?, "
+                f"generation_id = ?, expires_at = {_NOW} + ?, lease_until = null "
+                "where principal = ? and key = ? and owner = ? and status = 'running'",
+                (encode_response(response), response.generation_id, ttl, principal, key, owner),
+            )
+            return cursor.rowcount == 1
+
+        return await self._run(self._write, complete)
+
+    async def release_claim(self, principal: str, key: str, *, owner: str) -> bool:
+        def release(db: sqlite3.Connection) -> bool:
+            cursor = db.execute(
+                "delete from asgi_disconnect_claims "
+                "where principal = ? and key = ? and owner = ? and status = 'running'",
+                (principal, key, owner),
+            )
+            return cursor.rowcount == 1
+
+        return await self._run(self._write, release)
 
     async def changed(self, generation_id: str, timeout: float) -> None:
         await asyncio.sleep(timeout)
