@@ -18,7 +18,7 @@ from ._state import Counters, RequestState, current_state
 from ._supervisor import Supervisor
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Generator
 
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -196,6 +196,7 @@ class _Exchange:
         "scope",
         "send",
         "send_started",
+        "sent_index",
         "state",
         "taken_waiter",
         "wake_reason",
@@ -227,6 +228,7 @@ class _Exchange:
         self.final_sending = False
         self.end_response = True
         self.send_started = 0.0
+        self.sent_index = 0
         self.watching = False
         self.woken = False
         self.wake_reason: str | None = None
@@ -451,9 +453,8 @@ class _Exchange:
         else:
             self.end_response = False
         generation.finish(Status.FAILED, f"{type(exc).__name__}: {exc}"[:500])
-        if not self.client_gone and self.end_response and self.writer is None:
-            self.writer = self.loop.create_task(self._write_loop())
-            self.writer.add_done_callback(self._part_done)
+        if not self.client_gone and self.writer is None and self.generation is not None:
+            self._pump()
 
     async def app_receive(self) -> Message:
         while True:
@@ -493,11 +494,14 @@ class _Exchange:
             if self.client_gone:
                 return
             if self.writer is None:
-                if not more_body and generation.chunk_count <= 1:
+                if not more_body and self.sent_index == 0 and generation.chunk_count <= 1:
                     await self._send_whole(body)
                     return
-                self.writer = self.loop.create_task(self._write_loop())
-                self.writer.add_done_callback(self._part_done)
+                if more_body and self.sent_index == generation.chunk_count - 1:
+                    # Nothing else waits: hand the app's own message over.
+                    self._pump_one(message, len(body))
+                else:
+                    self._pump()
             elif generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
                 self._wake("lag")
             return
@@ -579,46 +583,126 @@ class _Exchange:
             return
         self.lag_timer = self.loop.call_later(limit / 2, self._check_lag)
 
-    async def _write_loop(self) -> None:
+    def _next_message(self) -> tuple[Message, int, int] | None:
+        """The chunks produced and not yet handed to the server, as one message."""
         generation = self.generation
         assert generation is not None
-        send = self.send
-        state = self.state
+        count = generation.chunk_count
+        ended = not generation.running
+        if self.sent_index < count:
+            chunks = generation.chunks_from(self.sent_index)
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        elif ended and not self.response_complete:
+            body = b""
+        else:
+            return None
+        final = ended and self.end_response
+        if ended and not final and not body:
+            return None
+        if final:
+            self.final_sending = True
+        return (
+            {"type": "http.response.body", "body": body, "more_body": not final},
+            len(body),
+            count,
+        )
+
+    def _sent(self, message: Message, size: int, count: int) -> None:
+        self.sent_index = count
+        self.state.delivered_bytes += size
+        if not message["more_body"]:
+            self.response_complete = True
+
+    def _pump_one(self, message: Message, size: int) -> None:
+        sending: Any = self.send(message)
+        try:
+            waiting_on = sending.send(None)
+        except StopIteration:
+            self.sent_index += 1
+            self.state.delivered_bytes += size
+            return
+        except OSError:
+            self._client_went_away()
+            return
+        pending = (message, size, self.sent_index + 1)
+        self.writer = self.loop.create_task(self._write_loop(sending, waiting_on, pending))
+        self.writer.add_done_callback(self._part_done)
+
+    def _pump(self) -> None:
+        """Hand what waits to the server from the producer's task, while it takes it at once.
+
+        A send that would wait (the client is not reading) is not awaited here: it goes on
+        in a writer task, so the producer never waits on the client.
+        """
+        pending = self._next_message()
+        if pending is None:
+            return
+        message, size, count = pending
+        sending: Any = self.send(message)
+        try:
+            waiting_on = sending.send(None)
+        except StopIteration:
+            self._sent(message, size, count)
+            return
+        except OSError:
+            self._client_went_away()
+            return
+        self.writer = self.loop.create_task(self._write_loop(sending, waiting_on, pending))
+        self.writer.add_done_callback(self._part_done)
+
+    async def _write_loop(
+        self, sending: Any, waiting_on: Any, pending: tuple[Message, int, int]
+    ) -> None:
         loop = self.loop
-        index = 0
+        self.send_started = loop.time()
         self.lag_timer = loop.call_later(self.mw.max_lag_seconds / 2, self._check_lag)
         try:
-            while True:
-                count = generation.chunk_count
-                ended = not generation.running
-                if index < count:
-                    chunks = generation.chunks_from(index)
-                    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                    index = count
-                elif ended:
-                    body = b""
-                else:
-                    await generation.changed()
-                    continue
-                final = ended and self.end_response
-                if ended and not final and not body:
+            await _Resume(sending, waiting_on)
+            self._sent(*pending)
+            while not self.client_gone:
+                next_message = self._next_message()
+                if next_message is None:
                     return
-                if final:
-                    self.final_sending = True
                 self.send_started = loop.time()
-                await send({"type": "http.response.body", "body": body, "more_body": not final})
-                self.send_started = 0.0
-                state.delivered_bytes += len(body)
-                if final:
-                    self.response_complete = True
-                    return
+                await self.send(next_message[0])
+                self._sent(*next_message)
         except OSError:
-            self.client_gone = True
-            self._wake("client")
+            self._client_went_away()
         finally:
+            self.send_started = 0.0
             if self.lag_timer is not None:
                 self.lag_timer.cancel()
                 self.lag_timer = None
+            if self.writer is asyncio.current_task():
+                # Caught up: the producer hands the next chunks over itself.
+                self.writer = None
+
+
+class _Resume:
+    """Finish, in the awaiting task, a coroutine that another task started and that waits."""
+
+    __slots__ = ("coro", "waiting_on")
+
+    def __init__(self, coro: Any, waiting_on: Any) -> None:
+        self.coro = coro
+        self.waiting_on = waiting_on
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro = self.coro
+        value = self.waiting_on
+        while True:
+            try:
+                sent = yield value
+            except BaseException as exc:
+                try:
+                    value = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    value = coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value
 
 
 async def _join(task: asyncio.Task[Any]) -> None:

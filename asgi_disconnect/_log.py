@@ -119,7 +119,6 @@ class Generation:
             )
         self.size += len(data)
         self._chunks.append(data)
-        self._ends.append(self.size)
         if self._waiters:
             self._wake()
 
@@ -156,8 +155,15 @@ class Generation:
         """Up to about ``limit`` bytes starting at byte ``offset``."""
         if offset >= self.size:
             return b""
-        index = bisect_right(self._ends, offset)
-        start = self._ends[index - 1] if index else 0
+        ends = self._ends
+        if len(ends) < len(self._chunks):
+            # Offsets are only needed by readers: extend them lazily, not on every append.
+            end = ends[-1] if ends else 0
+            for chunk in self._chunks[len(ends) :]:
+                end += len(chunk)
+                ends.append(end)
+        index = bisect_right(ends, offset)
+        start = ends[index - 1] if index else 0
         first = self._chunks[index][offset - start :]
         parts = [first]
         total = len(first)

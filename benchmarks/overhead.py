@@ -2,7 +2,12 @@
 
 Both servers run side by side (one uvicorn process each, one worker); the load alternates
 between them in rounds so that machine noise hits both alike. Prints requests/s on a small
-JSON route, streams/s and chunks/s on a 1,000-chunk SSE route, and the ratios.
+JSON route, streams/s and chunks/s on a 1,000-chunk SSE route (its generator never yields,
+so the client writer coalesces what waits), and on a paced one (a trip through the event
+loop per chunk, as a relay reading an upstream does), and the ratios.
+
+The load comes from wrk when it is installed (apt-get install wrk), else from a small
+asyncio client, which is slower than the server and so flattens the ratios.
 
     python -m benchmarks.overhead [--rounds 5] [--seconds 3] [--connections 8]
 """
@@ -13,6 +18,8 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -24,6 +31,7 @@ from benchmarks._load import run_load
 from benchmarks.apps import SSE_EVENTS
 
 HOST = "127.0.0.1"
+ROUTES = ("/json", "/sse", "/sse-paced")
 
 
 def _free_port() -> int:
@@ -32,8 +40,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
-def serve(app: str) -> Iterator[int]:
+def serve(app: str) -> Iterator[tuple[int, int]]:
     port = _free_port()
     proc = subprocess.Popen(
         [
@@ -54,6 +69,8 @@ def serve(app: str) -> Iterator[int]:
             "h11",
         ],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        # wrk hangs up on streams still in flight at the end of each run: keep that quiet.
+        stderr=subprocess.DEVNULL,
     )
     try:
         for _ in range(500):
@@ -62,10 +79,36 @@ def serve(app: str) -> Iterator[int]:
             time.sleep(0.02)
         else:
             raise RuntimeError(f"{app} did not start")
-        yield port
+        yield port, proc.pid
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def wrk(port: int, route: str, connections: int, seconds: float) -> float:
+    """Requests per second measured by wrk."""
+    out = subprocess.run(
+        [
+            "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{max(1, round(seconds))}s",
+            f"http://{HOST}:{port}{route}",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    match = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    assert match is not None, out
+    return float(match.group(1))
+
+
+def measure(port: int, route: str, connections: int, seconds: float) -> float:
+    if shutil.which("wrk"):
+        return wrk(port, route, connections, seconds)
+    done, _ = asyncio.run(run_load(HOST, port, route, connections=connections, duration=seconds))
+    return done / seconds
 
 
 def main() -> None:
@@ -76,40 +119,57 @@ def main() -> None:
     args = parser.parse_args()
     apps = {"bare": "benchmarks.apps:bare_app", "wrapped": "benchmarks.apps:wrapped_app"}
     results: dict[tuple[str, str], list[float]] = {}
-    with serve(apps["bare"]) as bare_port, serve(apps["wrapped"]) as wrapped_port:
+    cpu: dict[tuple[str, str], list[float]] = {}
+    with (
+        serve(apps["bare"]) as (bare_port, bare_pid),
+        serve(apps["wrapped"]) as (
+            wrapped_port,
+            wrapped_pid,
+        ),
+    ):
         ports = {"bare": bare_port, "wrapped": wrapped_port}
+        pids = {"bare": bare_pid, "wrapped": wrapped_pid}
         for port in ports.values():  # warm-up
-            asyncio.run(run_load(HOST, port, "/json", connections=4, duration=0.5))
-            asyncio.run(run_load(HOST, port, "/sse", connections=4, duration=0.5))
+            for route in ROUTES:
+                measure(port, route, 4, 0.5)
         for round_ in range(args.rounds):
             order = ["bare", "wrapped"] if round_ % 2 == 0 else ["wrapped", "bare"]
-            for route in ("/json", "/sse"):
+            for route in ROUTES:
                 for name in order:
-                    done, _ = asyncio.run(
-                        run_load(
-                            HOST,
-                            ports[name],
-                            route,
-                            connections=args.connections,
-                            duration=args.seconds,
-                        )
-                    )
-                    results.setdefault((name, route), []).append(done / args.seconds)
+                    before = cpu_seconds(pids[name])
+                    rate = measure(ports[name], route, args.connections, args.seconds)
+                    used = cpu_seconds(pids[name]) - before
+                    results.setdefault((name, route), []).append(rate)
+                    # Server CPU per request: steadier than throughput on a noisy machine.
+                    cpu.setdefault((name, route), []).append(used / (rate * args.seconds))
     print(
         f"uvicorn (h11, asyncio), {args.rounds} rounds x {args.seconds}s, "
-        f"{args.connections} connections; median per round"
+        f"{args.connections} connections, load from {'wrk' if shutil.which('wrk') else 'asyncio'}; "
+        "median per round"
     )
-    for route, unit in (("/json", "requests/s"), ("/sse", "streams/s")):
+    for route, unit in (
+        ("/json", "requests/s"),
+        ("/sse", "streams/s"),
+        ("/sse-paced", "streams/s"),
+    ):
         bare = statistics.median(results[("bare", route)])
         wrapped = statistics.median(results[("wrapped", route)])
         extra = ""
-        if route == "/sse":
+        if route != "/json":
             extra = (
                 f"  (chunks/s: bare {bare * SSE_EVENTS:,.0f}, wrapped {wrapped * SSE_EVENTS:,.0f})"
             )
         print(
-            f"{route:6} {unit:11} bare {bare:9.1f}  wrapped {wrapped:9.1f}  "
+            f"{route:10} {unit:11} bare {bare:9.1f}  wrapped {wrapped:9.1f}  "
             f"ratio {wrapped / bare:.3f}{extra}"
+        )
+        bare_cpu = statistics.median(cpu[("bare", route)]) * 1e6
+        wrapped_cpu = statistics.median(cpu[("wrapped", route)]) * 1e6
+        per = "request" if route == "/json" else "stream"
+        print(
+            f"{'':10} server CPU per {per}: bare {bare_cpu:,.0f} us  "
+            f"wrapped {wrapped_cpu:,.0f} us  (+{wrapped_cpu - bare_cpu:,.0f} us); "
+            f"as a throughput ratio {bare_cpu / wrapped_cpu:.3f}"
         )
 
 
