@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._backends import Backend, BackendUnavailable, DurableBackend, MemoryBackend, connect
+from ._claims import Claim, ClaimState, ClaimStore, StoredResponse, once
 from ._disconnect import DisconnectMiddleware, default_principal
+from ._idempotency import IdempotencyKeyRequired, IdempotencyMiddleware, idempotent
 from ._log import GenerationInfo, Status
 from ._metering import MeteringMiddleware, Reservations, UsageRecord, UsageSink, estimate_tokens
 from ._policy import Policy, disconnect_policy
@@ -20,22 +22,30 @@ if TYPE_CHECKING:
 __all__ = [
     "Backend",
     "BackendUnavailable",
+    "Claim",
+    "ClaimState",
+    "ClaimStore",
     "DisconnectMiddleware",
     "DurableBackend",
     "GenerationInfo",
+    "IdempotencyKeyRequired",
+    "IdempotencyMiddleware",
     "MemoryBackend",
     "MeteringMiddleware",
     "Policy",
     "RequestState",
     "Reservations",
     "Status",
+    "StoredResponse",
     "UsageRecord",
     "UsageSink",
     "connect",
     "default_principal",
     "disconnect_policy",
     "estimate_tokens",
+    "idempotent",
     "install",
+    "once",
 ]
 
 __version__ = "0.1.0"

@@ -1,0 +1,480 @@
+"""IdempotencyMiddleware: an ``Idempotency-Key`` is claimed by one conditional insert."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import hmac
+import inspect
+import logging
+import math
+import re
+import secrets
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import parse_qsl
+
+from ._claims import Claim, ClaimState, ClaimStore, StoredResponse
+from ._disconnect import default_principal
+from ._problem import problem_body, send_problem
+from ._state import RequestState
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["IdempotencyKeyRequired", "IdempotencyMiddleware", "idempotent", "parse_key"]
+
+logger = logging.getLogger("asgi_disconnect")
+
+_HEADER = b"idempotency-key"
+_MAX_KEY = 255
+_TOKEN = re.compile(r"[!#-+\--~]+")  # printable ASCII but space, '"' and ','
+_REPLAYED = (b"idempotent-replayed", b"true")
+_REPLAY_HEADERS = frozenset(
+    {
+        "content-type",
+        "content-encoding",
+        "content-language",
+        "cache-control",
+        "location",
+        "etag",
+        "x-generation-id",
+    }
+)
+_F = TypeVar("_F", bound="Callable[..., Any]")
+
+# "claimed", "replayed", "missing" or None outside the middleware.
+_key_state: ContextVar[str | None] = ContextVar("asgi_disconnect_idempotency", default=None)
+
+
+class IdempotencyKeyRequired(Exception):
+    """Raised by an ``@idempotent(required=True)`` endpoint called without a key."""
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, slug: str, title: str, detail: str, retry_after: int = 0):
+        self.status = status
+        self.slug = slug
+        self.title = title
+        self.detail = detail
+        self.retry_after = retry_after
+
+
+def parse_key(values: list[bytes]) -> str:
+    """The key from the ``Idempotency-Key`` header values, as the IETF draft defines it.
+
+    An RFC 8941 sf-string (``"abc"``) or, as many clients send, a bare token (a UUID);
+    printable ASCII, 1 to 255 characters, one header. Raises ``ValueError`` otherwise.
+    """
+    if len(values) != 1:
+        raise ValueError("send exactly one Idempotency-Key header")
+    try:
+        raw = values[0].decode("ascii").strip(" \t")
+    except UnicodeDecodeError:
+        raise ValueError("the Idempotency-Key must be printable ASCII") from None
+    if raw.startswith('"'):
+        key = _sf_string(raw)
+    elif _TOKEN.fullmatch(raw):
+        key = raw
+    else:
+        raise ValueError("the Idempotency-Key must be a quoted string or a token")
+    if not key:
+        raise ValueError("the Idempotency-Key is empty")
+    if len(key) > _MAX_KEY:
+        raise ValueError(f"the Idempotency-Key is longer than {_MAX_KEY} characters")
+    return key
+
+
+def _sf_string(raw: str) -> str:
+    out: list[str] = []
+    i = 1
+    while i < len(raw):
+        char = raw[i]
+        if char == "\\":
+            if i + 1 >= len(raw) or raw[i + 1] not in '"\\':
+                raise ValueError("a quoted Idempotency-Key may only escape '\"' and '\\'")
+            out.append(raw[i + 1])
+            i += 2
+            continue
+        if char == '"':
+            if i != len(raw) - 1:
+                raise ValueError("the quoted Idempotency-Key has characters after its end")
+            return "".join(out)
+        if not " " <= char <= "~":
+            raise ValueError("the Idempotency-Key must be printable ASCII")
+        out.append(char)
+        i += 1
+    raise ValueError("the quoted Idempotency-Key is not closed")
+
+
+def idempotent(*, required: bool = True, ttl: float | None = None) -> Callable[[_F], _F]:
+    """Mark an endpoint idempotent; ``required`` refuses requests without a key (400)."""
+
+    def decorate(endpoint: _F) -> _F:
+        wrapper: Any
+        if not required:
+            wrapper = endpoint
+        elif inspect.isasyncgenfunction(endpoint):
+
+            @functools.wraps(endpoint)
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if _key_missing():
+                    raise IdempotencyKeyRequired(_MISSING)
+                async for item in endpoint(*args, **kwargs):
+                    yield item
+
+        elif inspect.iscoroutinefunction(endpoint):
+
+            @functools.wraps(endpoint)
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if _key_missing():
+                    return _missing_response()
+                return await endpoint(*args, **kwargs)
+
+        else:
+
+            @functools.wraps(endpoint)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if _key_missing():
+                    return _missing_response()
+                return endpoint(*args, **kwargs)
+
+        wrapper.__asgi_disconnect_idempotent__ = ttl
+        return wrapper  # type: ignore[no-any-return]
+
+    return decorate
+
+
+_MISSING = "This endpoint requires an Idempotency-Key header."
+
+
+def _key_missing() -> bool:
+    return _key_state.get() not in ("claimed", "replayed")
+
+
+def _missing_response() -> Any:
+    from starlette.responses import Response
+
+    body = problem_body(400, "idempotency-key-missing", "Idempotency-Key Missing", _MISSING)
+    return Response(body, status_code=400, media_type="application/problem+json")
+
+
+class IdempotencyMiddleware:
+    """Runs each (principal, key) once; retries get the stored response or a clear refusal.
+
+    - claim: one conditional insert in ``backend`` (``ClaimStore``), leased by the
+      store's clock and renewed while the request runs;
+    - completed, same fingerprint: the stored status, allow-listed headers and body,
+      chunk by chunk, with ``Idempotent-Replayed: true``;
+    - still running: 409 with ``Retry-After``; another body under the key: 422;
+    - 2xx and 4xx are stored; 5xx, exceptions and cancellation release the claim;
+    - store unreachable: 503 with ``Retry-After`` (``fail_open=True`` runs the request).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        backend: ClaimStore,
+        methods: Sequence[str] = ("POST", "PATCH"),
+        paths: Sequence[str] | None = None,
+        principal: Callable[[Scope], str | None] | None = None,
+        allow_anonymous: bool = False,
+        max_body: int = 1 << 20,
+        max_stored: int = 8 << 20,
+        lease: float = 30.0,
+        ttl: float = 24 * 3600.0,
+        fail_open: bool = False,
+        secret: bytes = b"asgi-disconnect idempotency",
+        fingerprint_headers: Sequence[str] = (),
+        replay_headers: Sequence[str] = (),
+    ) -> None:
+        if max_body <= 0 or max_stored <= 0 or lease <= 0 or ttl <= 0:
+            raise ValueError("max_body, max_stored, lease and ttl must be positive")
+        self.app = app
+        self.backend = backend
+        self.methods = frozenset(m.upper() for m in methods)
+        self.paths = re.compile("|".join(f"(?:{p})" for p in paths)) if paths else None
+        self.principal = principal or default_principal
+        self.allow_anonymous = allow_anonymous
+        self.max_body = max_body
+        self.max_stored = max_stored
+        self.lease = lease
+        self.ttl = ttl
+        self.fail_open = fail_open
+        self.secret = secret
+        self.fingerprint_headers = tuple(h.lower().encode("latin-1") for h in fingerprint_headers)
+        self.replay_headers = _REPLAY_HEADERS | {h.lower() for h in replay_headers}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in self.methods:
+            await self.app(scope, receive, send)
+            return
+        if self.paths is not None and not self.paths.match(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        values = [value for name, value in scope["headers"] if name == _HEADER]
+        if not values:
+            token = _key_state.set("missing")
+            try:
+                await self._run_unclaimed(scope, receive, send)
+            finally:
+                _key_state.reset(token)
+            return
+        try:
+            await self._idempotent(scope, receive, send, values)
+        except _Refusal as refusal:
+            headers = []
+            if refusal.retry_after:
+                headers.append((b"retry-after", str(refusal.retry_after).encode()))
+            await send_problem(
+                send, refusal.status, refusal.slug, refusal.title, refusal.detail, headers=headers
+            )
+
+    async def _run_unclaimed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except IdempotencyKeyRequired as exc:
+            if started:
+                raise
+            await send_problem(
+                send, 400, "idempotency-key-missing", "Idempotency-Key Missing", str(exc)
+            )
+
+    async def _idempotent(
+        self, scope: Scope, receive: Receive, send: Send, values: list[bytes]
+    ) -> None:
+        try:
+            key = parse_key(values)
+        except ValueError as exc:
+            slug = "idempotency-key-duplicated" if len(values) > 1 else "idempotency-key-malformed"
+            raise _Refusal(400, slug, "Bad Idempotency-Key", str(exc)) from None
+        principal = self.principal(scope)
+        if not principal:
+            if not self.allow_anonymous:
+                raise _Refusal(
+                    401,
+                    "idempotency-principal-required",
+                    "Caller Unknown",
+                    "Idempotency keys are scoped to the caller: send credentials.",
+                )
+            principal = "anonymous"
+        body = await self._read_body(scope, receive)
+        fingerprint = self._fingerprint(scope, body)
+        owner = secrets.token_hex(12)
+        try:
+            claim = await self.backend.claim(
+                principal, key, fingerprint, owner=owner, lease=self.lease, ttl=self.ttl
+            )
+        except Exception as exc:
+            if self.fail_open:
+                logger.warning("idempotency store unreachable (%s); running unclaimed", exc)
+                await self.app(scope, _replay_receive(body, receive), send)
+                return
+            raise _Refusal(
+                503,
+                "idempotency-store-unavailable",
+                "Service Unavailable",
+                "The idempotency store cannot be reached; retry later.",
+                retry_after=5,
+            ) from exc
+        if claim.state is ClaimState.MISMATCH:
+            raise _Refusal(
+                422,
+                "idempotency-key-reused",
+                "Idempotency-Key Reused",
+                "This key was used with another request; use a new key for a new request.",
+            )
+        if claim.state is ClaimState.RUNNING:
+            raise _Refusal(
+                409,
+                "idempotency-request-in-progress",
+                "Request In Progress",
+                "A request with this key is still running; retry after the delay.",
+                retry_after=max(1, math.ceil(claim.retry_after or 1)),
+            )
+        if claim.state is ClaimState.COMPLETED:
+            await self._replay(claim, send)
+            return
+        await self._run_claimed(scope, receive, send, principal, key, owner, body)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
+                raise _Refusal(
+                    413,
+                    "idempotency-body-too-large",
+                    "Content Too Large",
+                    f"Idempotent requests are limited to {self.max_body} bytes.",
+                )
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise _Refusal(400, "request-incomplete", "Bad Request", "The client went away.")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise _Refusal(
+                    413,
+                    "idempotency-body-too-large",
+                    "Content Too Large",
+                    f"Idempotent requests are limited to {self.max_body} bytes.",
+                )
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    def _fingerprint(self, scope: Scope, body: bytes) -> bytes:
+        mac = hmac.new(self.secret, digestmod=hashlib.sha256)
+        query = sorted(parse_qsl(scope.get("query_string", b"").decode("latin-1"), True))
+        mac.update(scope["method"].encode() + b"\n" + scope["path"].encode("utf-8") + b"\n")
+        mac.update(repr(query).encode("utf-8") + b"\n")
+        for wanted in self.fingerprint_headers:
+            for name, value in scope["headers"]:
+                if name == wanted:
+                    mac.update(name + b":" + value + b"\n")
+        mac.update(b"\n" + body)
+        return mac.digest()
+
+    async def _replay(self, claim: Claim, send: Send) -> None:
+        stored = claim.response
+        assert stored is not None
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in stored.headers]
+        headers.append(_REPLAYED)
+        await send({"type": "http.response.start", "status": stored.status, "headers": headers})
+        chunks = stored.chunks or [b""]
+        for index, chunk in enumerate(chunks):
+            last = index == len(chunks) - 1
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+
+    async def _run_claimed(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        principal: str,
+        key: str,
+        owner: str,
+        body: bytes,
+    ) -> None:
+        response: dict[str, Any] = {"status": None, "headers": [], "chunks": [], "size": 0}
+
+        async def tee(message: Message) -> None:
+            kind = message["type"]
+            if kind == "http.response.start":
+                response["status"] = message["status"]
+                response["headers"] = [
+                    (bytes(k).decode("latin-1"), bytes(v).decode("latin-1"))
+                    for k, v in message.get("headers", ())
+                    if bytes(k).decode("latin-1").lower() in self.replay_headers
+                ]
+            elif kind == "http.response.body":
+                chunk = message.get("body", b"")
+                if chunk:
+                    response["chunks"].append(chunk)
+                    response["size"] += len(chunk)
+            await send(message)
+
+        heartbeat = asyncio.ensure_future(self._heartbeat(owner))
+        token = _key_state.set("claimed")
+        failure: BaseException | None = None
+        try:
+            await self.app(scope, _replay_receive(body, receive), tee)
+        except IdempotencyKeyRequired:
+            raise
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            _key_state.reset(token)
+            heartbeat.cancel()
+            state = scope.get("asgi_disconnect")
+            if isinstance(state, RequestState) and state.detached and failure is None:
+                # The generation outlives this request: store it once it has ended.
+                state.on_finished(
+                    lambda: asyncio.ensure_future(
+                        self._settle(principal, key, owner, response, state, None)
+                    )
+                )
+            else:
+                await _shield(self._settle(principal, key, owner, response, None, failure))
+
+    async def _settle(
+        self,
+        principal: str,
+        key: str,
+        owner: str,
+        response: dict[str, Any],
+        state: RequestState | None,
+        failure: BaseException | None,
+    ) -> None:
+        status = response["status"]
+        chunks: list[bytes] = response["chunks"]
+        generation = state.generation if state is not None else None
+        if generation is not None:
+            chunks = generation.chunks_from(0)
+            if generation.status.value != "complete":
+                status = None
+        keep = (
+            failure is None
+            and status is not None
+            and status < 500
+            and sum(map(len, chunks)) <= self.max_stored
+        )
+        try:
+            if keep:
+                stored = StoredResponse(
+                    status=status,
+                    headers=response["headers"],
+                    chunks=list(chunks),
+                    generation_id=generation.id if generation is not None else None,
+                )
+                await self.backend.complete_claim(
+                    principal, key, owner=owner, response=stored, ttl=self.ttl
+                )
+            else:
+                await self.backend.release_claim(principal, key, owner=owner)
+        except Exception:
+            logger.exception("settling the idempotency claim %r failed", key)
+
+    async def _heartbeat(self, owner: str) -> None:
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            try:
+                await self.backend.renew_claims(owner, self.lease)
+            except Exception as exc:
+                logger.warning("renewing idempotency leases failed: %s", exc)
+
+
+def _replay_receive(body: bytes, receive: Receive) -> Receive:
+    delivered = False
+
+    async def replay() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _shield(coro: Any) -> None:
+    task = asyncio.ensure_future(coro)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait((task,))
+        raise
