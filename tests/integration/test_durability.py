@@ -6,13 +6,8 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import msgspec
@@ -22,66 +17,25 @@ from asgi_disconnect import connect
 from asgi_disconnect._backends import DurableBackend
 from asgi_disconnect._log import Generation, Status
 from asgi_disconnect.testing import request
+from tests.integration.processes import serve
 
 pytestmark = [pytest.mark.anyio, pytest.mark.server]
 
-ROOT = Path(__file__).resolve().parents[2]
 FLUSH_INTERVAL = 0.05
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
 def server_process(
     url: str, *, lease: float = 15.0
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+) -> contextlib.AbstractContextManager[tuple[str, subprocess.Popen[bytes]]]:
     """uvicorn serving tests.integration.durable_app in a process of its own."""
-    port = _free_port()
-    env = {
-        **os.environ,
-        "ASGI_DISCONNECT_URL": url,
-        "ASGI_DISCONNECT_LEASE": str(lease),
-        "ASGI_DISCONNECT_FLUSH_INTERVAL": str(FLUSH_INTERVAL),
-    }
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "tests.integration.durable_app:app",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        cwd=ROOT,
-        env=env,
+    return serve(
+        "tests.integration.durable_app:app",
+        {
+            "ASGI_DISCONNECT_URL": url,
+            "ASGI_DISCONNECT_LEASE": str(lease),
+            "ASGI_DISCONNECT_FLUSH_INTERVAL": str(FLUSH_INTERVAL),
+        },
     )
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}", proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def parse(body: bytes) -> list[tuple[int, float]]:
