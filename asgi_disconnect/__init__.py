@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._backends import Backend, BackendUnavailable, DurableBackend, MemoryBackend, connect
@@ -59,6 +60,7 @@ def install(
     reservations: Reservations | None = None,
     tokenizer: Callable[[str], int] = estimate_tokens,
     store_usage: bool = True,
+    idempotency: bool | Mapping[str, Any] = False,
     **options: Any,
 ) -> None:
     """Add the package's middleware stack to a Starlette or FastAPI ``app``.
@@ -66,9 +68,12 @@ def install(
     Outermost first: :class:`DisconnectMiddleware` (``options``: ``backend``, ``policy``,
     ``principal``, ``resume_prefix``, ...), then :class:`MeteringMiddleware` (``sinks``,
     ``provider``, ``reservations``, ``tokenizer``). With ``store_usage`` (the default) each
-    record is also written to the backend's usage table.
+    record is also written to the backend's usage table. ``idempotency`` (True, or the
+    options of :class:`IdempotencyMiddleware`) adds it outside the others, on the same backend.
     """
     backend = options.get("backend")
+    if idempotency and backend is None:
+        backend = options["backend"] = MemoryBackend()
     if store_usage and backend is not None:
         sinks = (*sinks, backend.record_usage)
     app.add_middleware(
@@ -79,3 +84,6 @@ def install(
         tokenizer=tokenizer,
     )
     app.add_middleware(DisconnectMiddleware, **options)
+    if idempotency:
+        settings = dict(idempotency) if isinstance(idempotency, Mapping) else {}
+        app.add_middleware(IdempotencyMiddleware, backend=options["backend"], **settings)

@@ -65,6 +65,11 @@ class ClaimStore(Protocol):
     async def release_claim(self, principal: str, key: str, *, owner: str) -> bool:
         """Give the claim up so a retry runs again; False if not held (fenced)."""
 
+    async def note_generation(
+        self, principal: str, key: str, *, owner: str, generation_id: str
+    ) -> None:
+        """Record which generation the running claim produces, so retries can attach."""
+
 
 # Effect guards live in a principal namespace of their own.
 _ONCE = "asgi-disconnect:once"

@@ -12,7 +12,7 @@ import math
 import re
 import secrets
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import parse_qsl
 
 from ._claims import Claim, ClaimState, ClaimStore, StoredResponse
@@ -170,7 +170,8 @@ class IdempotencyMiddleware:
     - completed, same fingerprint: the stored status, allow-listed headers and body,
       chunk by chunk, with ``Idempotent-Replayed: true``;
     - still running: 409 with ``Retry-After``; another body under the key: 422;
-    - 2xx and 4xx are stored; 5xx, exceptions and cancellation release the claim;
+    - 2xx and 4xx are stored (5xx too with ``store_server_errors``, as Stripe does);
+      other 5xx, exceptions and cancellation release the claim so a retry runs again;
     - store unreachable: 503 with ``Retry-After`` (``fail_open=True`` runs the request).
     """
 
@@ -191,7 +192,11 @@ class IdempotencyMiddleware:
         secret: bytes = b"asgi-disconnect idempotency",
         fingerprint_headers: Sequence[str] = (),
         replay_headers: Sequence[str] = (),
+        in_flight: Literal["conflict", "attach"] = "conflict",
+        store_server_errors: bool = False,
     ) -> None:
+        if in_flight not in ("conflict", "attach"):
+            raise ValueError("in_flight must be 'conflict' or 'attach'")
         if max_body <= 0 or max_stored <= 0 or lease <= 0 or ttl <= 0:
             raise ValueError("max_body, max_stored, lease and ttl must be positive")
         self.app = app
@@ -208,6 +213,10 @@ class IdempotencyMiddleware:
         self.secret = secret
         self.fingerprint_headers = tuple(h.lower().encode("latin-1") for h in fingerprint_headers)
         self.replay_headers = _REPLAY_HEADERS | {h.lower() for h in replay_headers}
+        self.store_below = 600 if store_server_errors else 500
+        # Attaching tails the live generation: the backend must be able to read it.
+        self.attach = in_flight == "attach" and hasattr(backend, "follow")
+        self._noting: set[asyncio.Task[None]] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in self.methods:
@@ -295,6 +304,9 @@ class IdempotencyMiddleware:
                 "Idempotency-Key Reused",
                 "This key was used with another request; use a new key for a new request.",
             )
+        if claim.state is ClaimState.RUNNING and self.attach and claim.generation_id:
+            await self._attach(claim.generation_id, send)
+            return
         if claim.state is ClaimState.RUNNING:
             raise _Refusal(
                 409,
@@ -348,6 +360,27 @@ class IdempotencyMiddleware:
         mac.update(b"\n" + body)
         return mac.digest()
 
+    async def _attach(self, generation_id: str, send: Send) -> None:
+        backend: Any = self.backend
+        info = await backend.get(generation_id)
+        if info is None:
+            raise _Refusal(
+                409,
+                "idempotency-request-in-progress",
+                "Request In Progress",
+                "A request with this key is still running; retry after the delay.",
+                retry_after=1,
+            )
+        headers = [
+            (b"content-type", (info.content_type or "application/octet-stream").encode("latin-1")),
+            (b"x-generation-id", generation_id.encode()),
+            _REPLAYED,
+        ]
+        await send({"type": "http.response.start", "status": info.status_code, "headers": headers})
+        async for data in backend.follow(generation_id, 0):
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
     async def _replay(self, claim: Claim, send: Send) -> None:
         stored = claim.response
         assert stored is not None
@@ -375,6 +408,15 @@ class IdempotencyMiddleware:
             kind = message["type"]
             if kind == "http.response.start":
                 response["status"] = message["status"]
+                state = scope.get("asgi_disconnect")
+                if self.attach and isinstance(state, RequestState):
+                    noting = asyncio.ensure_future(
+                        self.backend.note_generation(
+                            principal, key, owner=owner, generation_id=state.generation_id
+                        )
+                    )
+                    self._noting.add(noting)
+                    noting.add_done_callback(self._noting.discard)
                 response["headers"] = [
                     (bytes(k).decode("latin-1"), bytes(v).decode("latin-1"))
                     for k, v in message.get("headers", ())
@@ -430,7 +472,7 @@ class IdempotencyMiddleware:
         keep = (
             failure is None
             and status is not None
-            and status < 500
+            and status < self.store_below
             and sum(map(len, chunks)) <= self.max_stored
         )
         try:

@@ -126,6 +126,9 @@ class SQLStore(Protocol):
         self, principal: str, key: str, *, owner: str, response: StoredResponse, ttl: float
     ) -> bool: ...
     async def release_claim(self, principal: str, key: str, *, owner: str) -> bool: ...
+    async def note_generation(
+        self, principal: str, key: str, *, owner: str, generation_id: str
+    ) -> None: ...
     async def changed(self, generation_id: str, timeout: float) -> None: ...
 
 
@@ -280,6 +283,12 @@ class DurableBackend:
     async def release_claim(self, principal: str, key: str, *, owner: str) -> bool:
         await self._ensure_open()
         return await self.store.release_claim(principal, key, owner=owner)
+
+    async def note_generation(
+        self, principal: str, key: str, *, owner: str, generation_id: str
+    ) -> None:
+        await self._ensure_open()
+        await self.store.note_generation(principal, key, owner=owner, generation_id=generation_id)
 
     def register(self, generation: Generation) -> None:
         self._live[generation.id] = _Tracked(generation)

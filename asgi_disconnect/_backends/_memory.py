@@ -18,7 +18,7 @@ __all__ = ["MemoryBackend"]
 
 
 class _MemoryClaim:
-    __slots__ = ("expires_at", "fingerprint", "lease_until", "owner", "response")
+    __slots__ = ("expires_at", "fingerprint", "generation_id", "lease_until", "owner", "response")
 
     def __init__(self, fingerprint: bytes, owner: str, lease_until: float, expires_at: float):
         self.fingerprint = fingerprint
@@ -26,6 +26,7 @@ class _MemoryClaim:
         self.lease_until = lease_until
         self.expires_at = expires_at
         self.response: StoredResponse | None = None
+        self.generation_id: str | None = None
 
 
 class MemoryBackend:
@@ -71,7 +72,11 @@ class MemoryBackend:
                     generation_id=held.response.generation_id,
                 )
             if held.lease_until >= now:
-                return Claim(state=ClaimState.RUNNING, retry_after=held.lease_until - now)
+                return Claim(
+                    state=ClaimState.RUNNING,
+                    retry_after=held.lease_until - now,
+                    generation_id=held.generation_id,
+                )
         self._claims[(principal, key)] = _MemoryClaim(fingerprint, owner, now + lease, now + ttl)
         return Claim(state=ClaimState.ACQUIRED)
 
@@ -90,6 +95,13 @@ class MemoryBackend:
         held.response = response
         held.expires_at = time.monotonic() + ttl
         return True
+
+    async def note_generation(
+        self, principal: str, key: str, *, owner: str, generation_id: str
+    ) -> None:
+        held = self._claims.get((principal, key))
+        if held is not None and held.owner == owner:
+            held.generation_id = generation_id
 
     async def release_claim(self, principal: str, key: str, *, owner: str) -> bool:
         held = self._claims.get((principal, key))

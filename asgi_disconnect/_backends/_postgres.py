@@ -291,6 +291,18 @@ class PostgresStore:
         )
         return bool(status == "UPDATE 1")
 
+    async def note_generation(
+        self, principal: str, key: str, *, owner: str, generation_id: str
+    ) -> None:
+        await self.pool.execute(
+            f"update {self._t}claims set generation_id = $1 "
+            "where principal = $2 and key = $3 and owner = $4 and status = 'running'",
+            generation_id,
+            principal,
+            key,
+            owner,
+        )
+
     async def release_claim(self, principal: str, key: str, *, owner: str) -> bool:
         status = await self.pool.execute(self._sql["release_claim"], principal, key, owner)
         return bool(status == "DELETE 1")

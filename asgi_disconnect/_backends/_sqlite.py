@@ -344,6 +344,18 @@ class SQLiteStore:
 
         return await self._run(self._write, release)
 
+    async def note_generation(
+        self, principal: str, key: str, *, owner: str, generation_id: str
+    ) -> None:
+        def note(db: sqlite3.Connection) -> None:
+            db.execute(
+                "update asgi_disconnect_claims set generation_id = ? "
+                "where principal = ? and key = ? and owner = ? and status = 'running'",
+                (generation_id, principal, key, owner),
+            )
+
+        await self._run(self._write, note)
+
     async def changed(self, generation_id: str, timeout: float) -> None:
         await asyncio.sleep(timeout)
 

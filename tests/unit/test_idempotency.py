@@ -285,3 +285,79 @@ async def test_claims_in_sqlite_survive_a_new_middleware(sqlite_url: str) -> Non
     await second_backend.aclose()
     assert again.header("idempotent-replayed") == "true"
     assert upstream.calls == 1
+
+
+async def test_in_flight_attach_tails_the_live_generation() -> None:
+    from asgi_disconnect import DisconnectMiddleware
+
+    calls = 0
+
+    async def slow(request: Request) -> StreamingResponse:
+        nonlocal calls
+        calls += 1
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for i in range(20):
+                yield b"data: %d\n\n" % i
+                await asyncio.sleep(0.01)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    backend = MemoryBackend()
+    inner = DisconnectMiddleware(
+        Starlette(routes=[Route("/slow", slow, methods=["POST"])]), backend=backend
+    )
+    mw = IdempotencyMiddleware(inner, backend=backend, in_flight="attach")
+    first = asyncio.ensure_future(post(mw, "/slow"))
+    await asyncio.sleep(0.06)
+    attached = await post(mw, "/slow")
+    original = await first
+    assert calls == 1
+    assert attached.status == 200
+    assert attached.header("idempotent-replayed") == "true"
+    assert attached.header("x-generation-id") == original.header("x-generation-id")
+    assert attached.body == original.body
+    assert attached.body.endswith(b"data: [DONE]\n\n")
+    replay = await post(mw, "/slow")
+    assert replay.body == original.body
+
+
+def test_in_flight_must_be_known() -> None:
+    with pytest.raises(ValueError, match="in_flight"):
+        IdempotencyMiddleware(app(Upstream()), backend=MemoryBackend(), in_flight="wait")  # type: ignore[arg-type]
+
+
+async def test_install_puts_idempotency_outside_the_stack() -> None:
+    from asgi_disconnect import install
+    from asgi_disconnect.testing import lifespan
+
+    upstream = Upstream()
+    application = app(upstream)
+    install(application, idempotency={"lease": 5.0})
+    async with lifespan(application):
+        first = await post(application, "/stream")
+        again = await post(application, "/stream")
+    assert upstream.calls == 1
+    assert first.header("x-generation-id") is not None
+    assert again.header("idempotent-replayed") == "true"
+    assert again.body == first.body
+
+
+async def test_server_errors_can_be_stored_like_stripe_does() -> None:
+    upstream = Upstream()
+    mw = stack(upstream, store_server_errors=True)
+    await post(mw, "/broken")
+    again = await post(mw, "/broken")
+    assert upstream.calls == 1
+    assert again.status == 502
+    assert again.header("idempotent-replayed") == "true"
+
+
+async def test_a_body_that_differs_by_one_byte_is_another_request() -> None:
+    upstream = Upstream()
+    mw = stack(upstream)
+    await post(mw, body=b"amount=1000")
+    changed = await post(mw, body=b"amount=1001")
+    assert changed.status == 422
+    assert upstream.calls == 1
