@@ -443,15 +443,17 @@ class IdempotencyMiddleware:
             _key_state.reset(token)
             heartbeat.cancel()
             state = scope.get("asgi_disconnect")
+            ttl = getattr(scope.get("endpoint"), "__asgi_disconnect_idempotent__", None)
+            ttl = self.ttl if ttl is None else ttl
             if isinstance(state, RequestState) and state.detached and failure is None:
                 # The generation outlives this request: store it once it has ended.
                 state.on_finished(
                     lambda: asyncio.ensure_future(
-                        self._settle(principal, key, owner, response, state, None)
+                        self._settle(principal, key, owner, response, state, None, ttl)
                     )
                 )
             else:
-                await _shield(self._settle(principal, key, owner, response, None, failure))
+                await _shield(self._settle(principal, key, owner, response, None, failure, ttl))
 
     async def _settle(
         self,
@@ -461,6 +463,7 @@ class IdempotencyMiddleware:
         response: dict[str, Any],
         state: RequestState | None,
         failure: BaseException | None,
+        ttl: float,
     ) -> None:
         status = response["status"]
         chunks: list[bytes] = response["chunks"]
@@ -484,7 +487,7 @@ class IdempotencyMiddleware:
                     generation_id=generation.id if generation is not None else None,
                 )
                 await self.backend.complete_claim(
-                    principal, key, owner=owner, response=stored, ttl=self.ttl
+                    principal, key, owner=owner, response=stored, ttl=ttl
                 )
             else:
                 await self.backend.release_claim(principal, key, owner=owner)

@@ -361,3 +361,23 @@ async def test_a_body_that_differs_by_one_byte_is_another_request() -> None:
     changed = await post(mw, body=b"amount=1001")
     assert changed.status == 422
     assert upstream.calls == 1
+
+
+async def test_a_route_ttl_overrides_the_default() -> None:
+    calls = 0
+
+    @idempotent(required=False, ttl=0.1)
+    async def brief(request: Request) -> Response:
+        nonlocal calls
+        calls += 1
+        return Response("ok")
+
+    mw = IdempotencyMiddleware(
+        Starlette(routes=[Route("/brief", brief, methods=["POST"])]), backend=MemoryBackend()
+    )
+    await post(mw, "/brief")
+    assert (await post(mw, "/brief")).header("idempotent-replayed") == "true"
+    await asyncio.sleep(0.2)
+    fresh = await post(mw, "/brief")
+    assert fresh.header("idempotent-replayed") is None
+    assert calls == 2
