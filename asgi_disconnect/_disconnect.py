@@ -10,6 +10,7 @@ from base64 import urlsafe_b64encode
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from ._aio import join, shielded
 from ._backends import Backend, MemoryBackend
 from ._log import Generation, Status
 from ._policy import Policy, PolicySource, check_source, resolve_policy, route_policy
@@ -256,7 +257,7 @@ class _Exchange:
             if generation is not None and generation.running:
                 self._record_end(Status.FAILED, "the app returned before its response was complete")
             if self.writer is not None:
-                await _join(self.writer)
+                await join(self.writer)
         except asyncio.CancelledError:
             if not self.cancelled_by_policy or task.uncancel() > 0:
                 self._record_end(Status.INTERRUPTED, "interrupted before it finished")
@@ -265,7 +266,7 @@ class _Exchange:
         except BaseException as exc:
             self._failed(exc)
             if self.writer is not None:
-                await _join(self.writer)
+                await join(self.writer)
             raise
         finally:
             handle.cancel()
@@ -301,8 +302,8 @@ class _Exchange:
             self.mw.learn_route(self.scope)
         if reason == "complete":
             if self.writer is not None:
-                await _join(self.writer)
-            await _join(app_task)
+                await join(self.writer)
+            await join(app_task)
         elif reason != "done":
             await self._client_lost(reason)
             if not app_task.done():
@@ -385,9 +386,9 @@ class _Exchange:
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
             if state.upstreams:
-                await _shielded(state.close_upstreams())
+                await shielded(state.close_upstreams())
             if runner is self.app_task:
-                await _join(runner)
+                await join(runner)
             return
         mw.counters.detached += 1
         state.detached = True
@@ -397,7 +398,7 @@ class _Exchange:
             # Predicted cancel-only, yet it detached: it stays tied to this request.
             mw._cancel_only[(self.scope["method"], self.scope["path"])] = False
         elif not mw.owns_detached():
-            await _join(runner)
+            await join(runner)
 
     # -- the app task ---------------------------------------------------------------
 
@@ -703,28 +704,3 @@ class _Resume:
                     value = coro.send(sent)
                 except StopIteration as stop:
                     return stop.value
-
-
-async def _join(task: asyncio.Task[Any]) -> None:
-    """Wait for ``task`` to end, however it ends; raise only if we are cancelled."""
-    try:
-        await task
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if not task.cancelled() or (current is not None and current.cancelling()):
-            raise
-    except Exception:
-        pass
-
-
-async def _shielded(coro: Any) -> None:
-    """Run ``coro`` to the end even if the caller is cancelled meanwhile."""
-    task = asyncio.ensure_future(coro)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError

@@ -15,6 +15,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import parse_qsl
 
+from ._aio import shielded
 from ._claims import Claim, ClaimState, ClaimStore, StoredResponse
 from ._disconnect import default_principal
 from ._problem import problem_body, send_problem
@@ -453,7 +454,7 @@ class IdempotencyMiddleware:
                     )
                 )
             else:
-                await _shield(self._settle(principal, key, owner, response, None, failure, ttl))
+                await shielded(self._settle(principal, key, owner, response, None, failure, ttl))
 
     async def _settle(
         self,
@@ -514,12 +515,3 @@ def _replay_receive(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
-
-
-async def _shield(coro: Any) -> None:
-    task = asyncio.ensure_future(coro)
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait((task,))
-        raise

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from ._aio import shielded
 from ._state import RequestState
 from .metering import StreamMeter, analyze
 
@@ -154,7 +155,7 @@ class MeteringMiddleware:
                     lambda: self._spawn(self._emit(scope, tee, exchange, reservation))
                 )
             else:
-                await _shield(self._emit(scope, tee, None, reservation))
+                await shielded(self._emit(scope, tee, None, reservation))
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -405,12 +406,3 @@ def _json_report(body: bytes, provider: str | None) -> Any:
         event_count=0,
         model=payload.get("model"),
     )
-
-
-async def _shield(coro: Awaitable[None]) -> None:
-    task = asyncio.ensure_future(coro)
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait((task,))
-        raise

@@ -68,17 +68,9 @@ class ResumeEndpoints:
             )
             return
         owner = await self.backend.principal_of(generation_id)
-        if owner is None or owner != (self.principal(scope) or ""):
-            # Another caller's generation is indistinguishable from a missing one.
-            await send_problem(
-                send,
-                404,
-                "generation-not-found",
-                "Generation Not Found",
-                f"No generation {generation_id} is readable by this caller.",
-            )
-            return
-        info = await self.backend.get(generation_id)
+        # Another caller's generation is indistinguishable from a missing one.
+        readable = owner is not None and owner == (self.principal(scope) or "")
+        info = await self.backend.get(generation_id) if readable else None
         if info is None:
             await send_problem(
                 send,
