@@ -404,6 +404,11 @@ class IdempotencyMiddleware:
         body: bytes,
     ) -> None:
         response: dict[str, Any] = {"status": None, "headers": [], "chunks": [], "size": 0}
+        settled = False
+
+        def route_ttl() -> float:
+            ttl = getattr(scope.get("endpoint"), "__asgi_disconnect_idempotent__", None)
+            return self.ttl if ttl is None else float(ttl)
 
         async def tee(message: Message) -> None:
             kind = message["type"]
@@ -428,6 +433,14 @@ class IdempotencyMiddleware:
                 if chunk:
                     response["chunks"].append(chunk)
                     response["size"] += len(chunk)
+                if not message.get("more_body", False):
+                    nonlocal settled
+                    settled = True
+                    # Stored before the last byte leaves: a client that retries the moment
+                    # it has the response gets the replay, not a 409.
+                    await shielded(
+                        self._settle(principal, key, owner, response, None, None, route_ttl())
+                    )
             await send(message)
 
         heartbeat = asyncio.ensure_future(self._heartbeat(owner))
@@ -444,16 +457,15 @@ class IdempotencyMiddleware:
             _key_state.reset(token)
             heartbeat.cancel()
             state = scope.get("asgi_disconnect")
-            ttl = getattr(scope.get("endpoint"), "__asgi_disconnect_idempotent__", None)
-            ttl = self.ttl if ttl is None else ttl
-            if isinstance(state, RequestState) and state.detached and failure is None:
+            ttl = route_ttl()
+            if not settled and isinstance(state, RequestState) and state.detached and not failure:
                 # The generation outlives this request: store it once it has ended.
                 state.on_finished(
                     lambda: asyncio.ensure_future(
                         self._settle(principal, key, owner, response, state, None, ttl)
                     )
                 )
-            else:
+            elif not settled:
                 await shielded(self._settle(principal, key, owner, response, None, failure, ttl))
 
     async def _settle(

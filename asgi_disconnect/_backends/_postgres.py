@@ -24,6 +24,14 @@ _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 _NOTIFY_PAYLOAD = 7000
 
 
+async def _close_pool(pool: Any) -> None:
+    # close() waits for every connection to come back; past the deadline it terminates.
+    try:
+        await asyncio.wait_for(pool.close(), 10)
+    except (TimeoutError, OSError):
+        pool.terminate()
+
+
 async def _rollback_if_needed(conn: Any) -> None:
     if conn.is_in_transaction():
         await conn.execute("rollback")
@@ -97,6 +105,7 @@ class PostgresStore:
                 raise BackendUnavailable(f"cannot connect to {self.url}: {exc}") from exc
         try:
             async with self.pool.acquire(timeout=10) as conn, conn.transaction():
+                await conn.execute("set local lock_timeout = '15s'")
                 await conn.execute("select pg_advisory_xact_lock(hashtext('asgi_disconnect'))")
                 await conn.execute(f'create schema if not exists "{self.schema}"')
                 await conn.execute(_schema(self._t))
@@ -115,7 +124,7 @@ class PostgresStore:
                     )
         except BaseException as exc:
             if self._own_pool:
-                await self.pool.close()
+                await _close_pool(self.pool)
                 self._pool = None
             if isinstance(exc, (OSError, asyncpg.PostgresError)):
                 raise BackendUnavailable(f"cannot prepare {self.url}: {exc}") from exc
@@ -129,7 +138,7 @@ class PostgresStore:
             self._listening = None
         await self._drop_listener()
         if self._own_pool and self._pool is not None:
-            await self._pool.close()
+            await _close_pool(self._pool)
             self._pool = None
 
     # -- LISTEN ---------------------------------------------------------------------
@@ -155,10 +164,10 @@ class PostgresStore:
             return
         with contextlib.suppress(Exception):
             if not conn.is_closed():
-                await conn.remove_listener(self.channel, self._notified)
+                await asyncio.wait_for(conn.remove_listener(self.channel, self._notified), 5)
         # A connection that died with the server is discarded by the pool on release.
         with contextlib.suppress(Exception):
-            await self.pool.release(conn)
+            await asyncio.wait_for(self.pool.release(conn), 5)
 
     def _notified(self, conn: Any, pid: int, channel: str, payload: str) -> None:
         for generation_id in payload.split(","):
