@@ -9,8 +9,15 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from .._claims import Claim, ClaimState, StoredResponse
-from .._log import GenerationInfo, Status
-from ._durable import BackendUnavailable, FlushBatch, claim_from_row, encode_response
+from .._log import GenerationInfo
+from ._durable import (
+    BackendUnavailable,
+    FlushBatch,
+    claim_from_row,
+    encode_response,
+    info_from_row,
+    join_from,
+)
 
 if TYPE_CHECKING:
     import asyncpg
@@ -340,21 +347,7 @@ class PostgresStore:
         row = await self.pool.fetchrow(self._sql["info"], generation_id)
         if row is None:
             return None
-        return (
-            GenerationInfo(
-                id=row[0],
-                status=Status(row[1]),
-                policy=row[2],
-                size=row[3],
-                status_code=row[4],
-                content_type=row[5],
-                created_at=row[6],
-                finished_at=row[7],
-                detached=row[8],
-                error=row[9],
-            ),
-            row[10],
-        )
+        return info_from_row(row)
 
     async def usage(self, generation_id: str) -> list[bytes]:
         rows = await self.pool.fetch(
@@ -365,18 +358,7 @@ class PostgresStore:
 
     async def read(self, generation_id: str, offset: int, limit: int) -> bytes:
         rows = await self.pool.fetch(self._sql["read"], generation_id, offset, 256)
-        parts: list[bytes] = []
-        total = 0
-        for start, data in rows:
-            if start < offset:
-                data = data[offset - start :]
-            if not data:
-                continue
-            parts.append(data)
-            total += len(data)
-            if total >= limit:
-                break
-        return b"".join(parts)
+        return join_from(rows, offset, limit)
 
 
 def _schema(t: str) -> str:

@@ -8,8 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._claims import Claim, ClaimState, StoredResponse
-from .._log import GenerationInfo, Status
-from ._durable import BackendUnavailable, FlushBatch, claim_from_row, encode_response
+from .._log import GenerationInfo
+from ._durable import (
+    BackendUnavailable,
+    FlushBatch,
+    claim_from_row,
+    encode_response,
+    info_from_row,
+    join_from,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -251,21 +258,7 @@ class SQLiteStore:
         row = self._db.execute(_INFO, (generation_id,)).fetchone()
         if row is None:
             return None
-        return (
-            GenerationInfo(
-                id=row[0],
-                status=Status(row[1]),
-                policy=row[2],
-                size=row[3],
-                status_code=row[4],
-                content_type=row[5],
-                created_at=row[6],
-                finished_at=row[7],
-                detached=bool(row[8]),
-                error=row[9],
-            ),
-            row[10],
-        )
+        return info_from_row(row)
 
     async def read(self, generation_id: str, offset: int, limit: int) -> bytes:
         return await self._run(self._read, generation_id, offset, limit)
@@ -278,7 +271,7 @@ class SQLiteStore:
             "where generation_id = ?1 and start <= ?2), 0) order by start",
             (generation_id, offset),
         )
-        return _join(rows, offset, limit)
+        return join_from(rows, offset, limit)
 
     async def usage(self, generation_id: str) -> list[bytes]:
         def select() -> list[bytes]:
@@ -410,18 +403,3 @@ def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:
                 for gid, status, size, error in batch.finished
             ],
         )
-
-
-def _join(rows: Any, offset: int, limit: int) -> bytes:
-    parts: list[bytes] = []
-    total = 0
-    for start, data in rows:
-        if start < offset:
-            data = bytes(data)[offset - start :]
-        if not data:
-            continue
-        parts.append(bytes(data))
-        total += len(data)
-        if total >= limit:
-            break
-    return b"".join(parts)
