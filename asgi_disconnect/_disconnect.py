@@ -19,7 +19,7 @@ from ._state import Counters, RequestState, current_state
 from ._supervisor import Supervisor
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Generator
+    from collections.abc import Awaitable, Callable, Generator
 
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -44,21 +44,19 @@ def default_principal(scope: Scope) -> str:
 class _IdSource:
     """Random ids from the OS CSPRNG, read and encoded 256 at a time (18 bytes = 24 chars)."""
 
-    __slots__ = ("_encoded", "_offset")
+    __slots__ = ("_ids",)
 
     _BATCH = 256
 
     def __init__(self) -> None:
-        self._encoded = ""
-        self._offset = 0
+        self._ids: list[str] = []
 
     def __call__(self) -> str:
-        offset = self._offset
-        if offset >= len(self._encoded):
-            self._encoded = urlsafe_b64encode(os.urandom(18 * self._BATCH)).decode()
-            offset = 0
-        self._offset = offset + 24
-        return "gen_" + self._encoded[offset : offset + 24]
+        ids = self._ids
+        if not ids:
+            encoded = urlsafe_b64encode(os.urandom(18 * self._BATCH)).decode()
+            ids += ["gen_" + encoded[start : start + 24] for start in range(0, len(encoded), 24)]
+        return ids.pop()
 
 
 _new_generation_id = _IdSource()
@@ -127,7 +125,11 @@ class DisconnectMiddleware:
                 if rest.startswith("/"):
                     await self._resume(scope, receive, send, rest)
                     return
-            await _Exchange(self, scope, receive, send).run()
+            exchange = _Exchange(self, scope, receive, send)
+            if self._cancel_only.get((scope["method"], scope["path"]), False):
+                await exchange.run_inline()
+            else:
+                await exchange.run_supervised()
         elif scope_type == "lifespan":
             await self._lifespan(scope, receive, send)
         else:
@@ -178,87 +180,67 @@ class DisconnectMiddleware:
 class _Exchange:
     """One HTTP request: the receive reader, the app task and the client writer."""
 
-    __slots__ = (
-        "app_error",
-        "app_task",
-        "cancelled_by_policy",
-        "client_gone",
-        "end_response",
-        "final_sending",
-        "generation",
-        "inbox",
-        "inbox_waiter",
-        "lag_timer",
-        "loop",
-        "mw",
-        "receive",
-        "request_task",
-        "response_complete",
-        "scope",
-        "send",
-        "send_started",
-        "sent_index",
-        "state",
-        "taken_waiter",
-        "wake_reason",
-        "watcher",
-        "watching",
-        "woken",
-        "writer",
-    )
+    # What most requests never change stays on the class; an exchange sets its own when it
+    # does. This keeps the start of every request down to a few stores.
+    inbox: deque[Message] | None = None
+    inbox_waiter: asyncio.Future[None] | None = None
+    taken_waiter: asyncio.Future[None] | None = None
+    request_task: asyncio.Task[Any] | None = None
+    app_task: asyncio.Task[None] | None = None
+    writer: asyncio.Task[None] | None = None
+    lag_timer: asyncio.TimerHandle | None = None
+    app_error: BaseException | None = None
+    generation: Generation | None = None
+    client_gone = False
+    response_complete = False
+    final_sending = False
+    end_response = True
+    send_started = 0.0
+    sent_index = 0
+    watching = False
+    woken = False
+    wake_reason: str | None = None
+    watcher: asyncio.Task[Any] | None = None
+    cancelled_by_policy = False
+    # True while a body chunk can go straight to the server: the response started, is
+    # running, everything before was sent and no writer task is busy.
+    direct = False
 
     def __init__(self, mw: DisconnectMiddleware, scope: Scope, receive: Receive, send: Send):
         self.mw = mw
         self.scope = scope
         self.receive = receive
         self.send = send
-        self.loop = asyncio.get_running_loop()
         self.state = state = RequestState(_new_generation_id())
         scope["asgi_disconnect"] = state
-        self.generation: Generation | None = None
-        self.inbox: deque[Message] = deque()
-        self.inbox_waiter: asyncio.Future[None] | None = None
-        self.taken_waiter: asyncio.Future[None] | None = None
-        self.request_task: asyncio.Task[Any] | None = None
-        self.app_task: asyncio.Task[None] | None = None
-        self.writer: asyncio.Task[None] | None = None
-        self.lag_timer: asyncio.TimerHandle | None = None
-        self.app_error: BaseException | None = None
-        self.client_gone = False
-        self.response_complete = False
-        self.final_sending = False
-        self.end_response = True
-        self.send_started = 0.0
-        self.sent_index = 0
-        self.watching = False
-        self.woken = False
-        self.wake_reason: str | None = None
-        self.watcher: asyncio.Task[Any] | None = None
-        self.cancelled_by_policy = False
-
-    async def run(self) -> None:
-        scope = self.scope
-        if self.mw._cancel_only.get((scope["method"], scope["path"]), False):
-            await self._run_inline()
-        else:
-            await self._run_supervised()
 
     # -- inline: a route that can only cancel runs in the request's own task -----------
 
-    async def _run_inline(self) -> None:
-        task = self.request_task = asyncio.current_task()
-        assert task is not None
-        current_state.set(self.state)
-        # The receive watcher is only needed if the app waits on something.
-        handle = self.loop.call_soon(self._start_watcher)
+    async def run_inline(self) -> None:
+        state = self.state
+        current_state.set(state)
+        app: Any = self.mw.app(self.scope, self.app_receive, self.app_send)
+        if getattr(app, "send", None) is None:  # an awaitable that is not a coroutine
+            app = _awaited(app)
         try:
-            await self.mw.app(self.scope, self.app_receive, self.app_send)
+            try:
+                waiting_on = app.send(None)
+            except StopIteration:
+                pass
+            else:
+                # The app waits on something: watch the client meanwhile. An app that
+                # never waits needs no watcher.
+                self.request_task = asyncio.current_task()
+                self._start_watcher()
+                await _Resume(app, waiting_on)
             generation = self.generation
             if generation is not None and generation.running:
                 self._record_end(Status.FAILED, "the app returned before its response was complete")
             if self.writer is not None:
                 await join(self.writer)
         except asyncio.CancelledError:
+            task = asyncio.current_task()
+            assert task is not None
             if not self.cancelled_by_policy or task.uncancel() > 0:
                 self._record_end(Status.INTERRUPTED, "interrupted before it finished")
                 raise
@@ -269,16 +251,16 @@ class _Exchange:
                 await join(self.writer)
             raise
         finally:
-            handle.cancel()
             watcher = self.watcher
-            if watcher is not None and not watcher.done() and not self.state.detached:
+            if watcher is not None and not watcher.done() and not state.detached:
                 watcher.cancel()
-            self._count_detach_completed()
-            self.state.finish()
+            if state.detached:
+                self._count_detach_completed()
+            state.finish()
 
     def _start_watcher(self) -> None:
         if self.watcher is None and not self.response_complete:
-            self.watcher = self.loop.create_task(self._watch_inline())
+            self.watcher = asyncio.get_running_loop().create_task(self._watch_inline())
 
     async def _watch_inline(self) -> None:
         reason = await self._watch()
@@ -287,7 +269,7 @@ class _Exchange:
 
     # -- supervised: the app runs in the supervisor's task, the request task watches ---
 
-    async def _run_supervised(self) -> None:
+    async def run_supervised(self) -> None:
         self.request_task = self.watcher = asyncio.current_task()
         app_task = self.app_task = self.mw.supervisor.spawn(self.run_app())
         app_task.add_done_callback(self._part_done)
@@ -321,15 +303,18 @@ class _Exchange:
                 message = await receive()
                 kind = message["type"]
                 if kind == "http.request":
-                    self.inbox.append(message)
+                    inbox = self.inbox
+                    if inbox is None:
+                        inbox = self.inbox = deque()
+                    inbox.append(message)
                     waiter = self.inbox_waiter
                     if waiter is not None:
                         self.inbox_waiter = None
                         if not waiter.done():
                             waiter.set_result(None)
-                    if message.get("more_body", False) and self.inbox:
+                    if message.get("more_body", False) and inbox:
                         # Read the next part only once the app took this one: keep backpressure.
-                        self.taken_waiter = self.loop.create_future()
+                        self.taken_waiter = asyncio.get_running_loop().create_future()
                         await self.taken_waiter
                 elif kind == "http.disconnect":
                     if self.response_complete or self.final_sending:
@@ -366,6 +351,7 @@ class _Exchange:
         mw = self.mw
         state = self.state
         self.client_gone = True
+        self.direct = False
         state.disconnect_reason = reason
         state.disconnected.set()
         mw.counters.disconnects += 1
@@ -435,6 +421,7 @@ class _Exchange:
             self.mw.counters.detach_completed += 1
 
     def _record_end(self, status: Status, error: str) -> None:
+        self.direct = False
         generation = self.generation
         if generation is None or not generation.running:
             return
@@ -443,6 +430,7 @@ class _Exchange:
         generation.finish(status, error)
 
     def _failed(self, exc: BaseException) -> None:
+        self.direct = False
         generation = self.generation
         if generation is None or not generation.running:
             return
@@ -473,46 +461,75 @@ class _Exchange:
             if self.watcher is None:
                 self._start_watcher()
             # Under detach the app never hears of the disconnect: it would stop itself.
-            waiter = self.inbox_waiter = self.loop.create_future()
+            waiter = self.inbox_waiter = asyncio.get_running_loop().create_future()
             await waiter
 
     async def app_send(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.body":
-            generation = self.generation
-            if generation is None:
-                raise RuntimeError(
-                    "ASGI message 'http.response.body' sent before 'http.response.start'"
-                )
+        if self.direct and message["type"] == "http.response.body":
             body = message.get("body", b"")
-            more_body = message.get("more_body", False)
-            if body:
-                generation.append(body)
-            if not more_body and not generation.finish(Status.COMPLETE):
+            if body and message.get("more_body", False):
+                # The hot path, one chunk of a stream whose client keeps up: append it to
+                # the log and hand the app's own message to the server from this task, as
+                # long as the server takes it without waiting.
+                live: Generation = self.generation  # type: ignore[assignment]
+                live.size += len(body)
+                live.chunks.append(body)
+                if live.waiters:
+                    live.wake()
+                sending: Any = self.send(message)
+                try:
+                    waiting_on = sending.send(None)
+                except StopIteration:
+                    self.sent_index += 1
+                    self.state.delivered_bytes += len(body)
+                except OSError:
+                    self._client_went_away()
+                else:
+                    self._start_writer(
+                        sending, waiting_on, (message, len(body), self.sent_index + 1)
+                    )
+                return
+        # Everything else: the start, the last chunk, a client that fell behind or left.
+        kind = message["type"]
+        if kind != "http.response.body":
+            if kind == "http.response.start":
+                message = self._start(message)
+            if not self.client_gone:
+                try:
+                    await self.send(message)
+                except OSError:
+                    self._client_went_away()
+                else:
+                    self.direct = kind == "http.response.start"
+            return
+        generation = self.generation
+        if generation is None:
+            raise RuntimeError(
+                "ASGI message 'http.response.body' sent before 'http.response.start'"
+            )
+        body = message.get("body", b"")
+        more_body = message.get("more_body", False)
+        if body:
+            generation.append(body)
+        if not more_body:
+            self.direct = False
+            if not generation.finish(Status.COMPLETE):
                 raise RuntimeError(
                     "ASGI message 'http.response.body' sent after the response ended"
                 )
-            if self.client_gone:
-                return
-            if self.writer is None:
-                if not more_body and self.sent_index == 0 and generation.chunk_count <= 1:
-                    await self._send_whole(body)
-                    return
-                if more_body and self.sent_index == generation.chunk_count - 1:
-                    # Nothing else waits: hand the app's own message over.
-                    self._pump_one(message, len(body))
-                else:
-                    self._pump()
-            elif generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
+        if self.client_gone or (more_body and not body):
+            return
+        if self.writer is not None:
+            if generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
                 self._wake("lag")
-            return
-        if kind == "http.response.start":
-            await self._start(message)
-            return
-        if not self.client_gone:
-            await self.send(message)
+        elif not more_body and not self.sent_index and len(generation.chunks) <= 1:
+            # The whole response in one message: send it as it is.
+            await self._send_whole(message, len(body))
+        else:
+            self._pump()
 
-    async def _start(self, message: Message) -> None:
+    def _start(self, message: Message) -> Message:
+        """Open the generation; return the start message with ``x-generation-id`` added."""
         if self.generation is not None:
             raise RuntimeError("ASGI message 'http.response.start' sent twice")
         headers = message.get("headers", ())
@@ -528,27 +545,20 @@ class _Exchange:
             generation.detached = state.detached
         self.generation = state.generation = generation
         self.mw.backend.register(generation)
-        if self.client_gone:
-            return
-        message = {
-            **message,
-            "headers": [*headers, (_GENERATION_HEADER, state.generation_id.encode())],
-        }
-        try:
-            await self.send(message)
-        except OSError:
-            self._client_went_away()
+        headers = list(headers)
+        headers.append((_GENERATION_HEADER, state.generation_id.encode()))
+        return {**message, "headers": headers}
 
     def _client_went_away(self) -> None:
         # Servers at ASGI spec 2.4+ raise OSError on send when the client is gone.
         self.client_gone = True
+        self.direct = False
         self._wake("client")
 
-    async def _send_whole(self, body: bytes) -> None:
+    async def _send_whole(self, message: Message, size: int) -> None:
         self.final_sending = True
-        message = {"type": "http.response.body", "body": body, "more_body": False}
         try:
-            if len(body) <= _DIRECT_SEND_LIMIT:
+            if size <= _DIRECT_SEND_LIMIT:
                 await self.send(message)
             else:
                 async with asyncio.timeout(self.mw.max_lag_seconds):
@@ -560,7 +570,7 @@ class _Exchange:
             self.final_sending = False
             self._wake("lag")
             return
-        self.state.delivered_bytes += len(body)
+        self.state.delivered_bytes += size
         self.response_complete = True
 
     # -- the client writer ----------------------------------------------------------
@@ -578,11 +588,12 @@ class _Exchange:
             self.lag_timer = None
             return
         limit = self.mw.max_lag_seconds
-        if self.send_started and self.loop.time() - self.send_started > limit:
+        loop = asyncio.get_running_loop()
+        if self.send_started and loop.time() - self.send_started > limit:
             self.lag_timer = None
             self._wake("lag")
             return
-        self.lag_timer = self.loop.call_later(limit / 2, self._check_lag)
+        self.lag_timer = loop.call_later(limit / 2, self._check_lag)
 
     def _next_message(self) -> tuple[Message, int, int] | None:
         """The chunks produced and not yet handed to the server, as one message."""
@@ -614,21 +625,6 @@ class _Exchange:
         if not message["more_body"]:
             self.response_complete = True
 
-    def _pump_one(self, message: Message, size: int) -> None:
-        sending: Any = self.send(message)
-        try:
-            waiting_on = sending.send(None)
-        except StopIteration:
-            self.sent_index += 1
-            self.state.delivered_bytes += size
-            return
-        except OSError:
-            self._client_went_away()
-            return
-        pending = (message, size, self.sent_index + 1)
-        self.writer = self.loop.create_task(self._write_loop(sending, waiting_on, pending))
-        self.writer.add_done_callback(self._part_done)
-
     def _pump(self) -> None:
         """Hand what waits to the server from the producer's task, while it takes it at once.
 
@@ -648,13 +644,23 @@ class _Exchange:
         except OSError:
             self._client_went_away()
             return
-        self.writer = self.loop.create_task(self._write_loop(sending, waiting_on, pending))
-        self.writer.add_done_callback(self._part_done)
+        self._start_writer(sending, waiting_on, pending)
+
+    def _start_writer(
+        self, sending: Any, waiting_on: Any, pending: tuple[Message, int, int]
+    ) -> None:
+        """Finish a send that waits, and what follows it, in a writer task."""
+        self.direct = False
+        writer = asyncio.get_running_loop().create_task(
+            self._write_loop(sending, waiting_on, pending)
+        )
+        writer.add_done_callback(self._part_done)
+        self.writer = writer
 
     async def _write_loop(
         self, sending: Any, waiting_on: Any, pending: tuple[Message, int, int]
     ) -> None:
-        loop = self.loop
+        loop = asyncio.get_running_loop()
         self.send_started = loop.time()
         self.lag_timer = loop.call_later(self.mw.max_lag_seconds / 2, self._check_lag)
         try:
@@ -677,6 +683,17 @@ class _Exchange:
             if self.writer is asyncio.current_task():
                 # Caught up: the producer hands the next chunks over itself.
                 self.writer = None
+                generation = self.generation
+                self.direct = (
+                    not self.client_gone
+                    and generation is not None
+                    and generation.running
+                    and self.sent_index == len(generation.chunks)
+                )
+
+
+async def _awaited(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
 
 
 class _Resume:

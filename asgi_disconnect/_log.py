@@ -24,6 +24,9 @@ class Status(enum.StrEnum):
     INTERRUPTED = "interrupted"
 
 
+_RUNNING = Status.RUNNING
+
+
 class GenerationInfo(msgspec.Struct, frozen=True, kw_only=True):
     """What ``GET {resume_prefix}/{id}`` reports about a generation."""
 
@@ -50,11 +53,10 @@ class Generation:
     """
 
     __slots__ = (
-        "_chunks",
         "_content_type",
         "_ends",
         "_headers",
-        "_waiters",
+        "chunks",
         "created_at",
         "detached",
         "error",
@@ -62,9 +64,11 @@ class Generation:
         "id",
         "policy",
         "principal",
+        "running",
         "size",
         "status",
         "status_code",
+        "waiters",
     )
 
     def __init__(
@@ -84,14 +88,15 @@ class Generation:
         self._headers = headers
         self.created_at = time.time()
         self.finished_at: float | None = None
-        self.status = Status.RUNNING
+        self.status = _RUNNING
+        self.running = True
         self.policy: str | None = None
         self.detached = False
         self.error: str | None = None
         self.size = 0
-        self._chunks: list[bytes] = []
-        self._ends: list[int] = []
-        self._waiters: list[asyncio.Future[None]] = []
+        self.chunks: list[bytes] = []
+        self._ends: list[int] | None = None  # chunk end offsets, built when a reader needs them
+        self.waiters: list[asyncio.Future[None]] | None = None
 
     @property
     def content_type(self) -> str | None:
@@ -105,71 +110,73 @@ class Generation:
         return self._content_type
 
     @property
-    def running(self) -> bool:
-        return self.status is Status.RUNNING
-
-    @property
     def chunk_count(self) -> int:
-        return len(self._chunks)
+        return len(self.chunks)
 
     def append(self, data: bytes) -> None:
-        if self.status is not Status.RUNNING:
+        if not self.running:
             raise RuntimeError(
                 f"generation {self.id} is {self.status.value}; it takes no more output"
             )
         self.size += len(data)
-        self._chunks.append(data)
-        if self._waiters:
-            self._wake()
+        self.chunks.append(data)
+        if self.waiters:
+            self.wake()
 
     def finish(self, status: Status, error: str | None = None) -> bool:
         """Record the final status once; later calls are ignored and return False."""
-        if self.status is not Status.RUNNING:
+        if not self.running:
             return False
         self.status = status
+        self.running = False
         self.error = error
         self.finished_at = time.time()
-        self._wake()
+        if self.waiters:
+            self.wake()
         return True
 
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
+    def wake(self) -> None:
+        waiters, self.waiters = self.waiters, None
+        for waiter in waiters or ():
             if not waiter.done():
                 waiter.set_result(None)
 
     def changed(self) -> asyncio.Future[None]:
         """A future of the caller's own, resolved at the next append or finish."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self.status is Status.RUNNING:
-            self._waiters.append(waiter)
+        if self.running:
+            if self.waiters is None:
+                self.waiters = []
+            self.waiters.append(waiter)
         else:
             waiter.set_result(None)
         return waiter
 
     def chunks_from(self, index: int) -> list[bytes]:
         """The chunks from ``index`` on, as the producer appended them."""
-        return self._chunks[index:]
+        return self.chunks[index:]
 
     def read(self, offset: int, limit: int = _READ_LIMIT) -> bytes:
         """Up to about ``limit`` bytes starting at byte ``offset``."""
         if offset >= self.size:
             return b""
         ends = self._ends
-        if len(ends) < len(self._chunks):
+        if ends is None:
+            ends = self._ends = []
+        if len(ends) < len(self.chunks):
             # Offsets are only needed by readers: extend them lazily, not on every append.
             end = ends[-1] if ends else 0
-            for chunk in self._chunks[len(ends) :]:
+            for chunk in self.chunks[len(ends) :]:
                 end += len(chunk)
                 ends.append(end)
         index = bisect_right(ends, offset)
         start = ends[index - 1] if index else 0
-        first = self._chunks[index][offset - start :]
+        first = self.chunks[index][offset - start :]
         parts = [first]
         total = len(first)
         index += 1
-        while index < len(self._chunks) and total < limit:
-            chunk = self._chunks[index]
+        while index < len(self.chunks) and total < limit:
+            chunk = self.chunks[index]
             parts.append(chunk)
             total += len(chunk)
             index += 1
@@ -183,7 +190,7 @@ class Generation:
                 offset += len(data)
                 yield data
                 continue
-            if self.status is not Status.RUNNING:
+            if not self.running:
                 return
             await self.changed()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from typing import TYPE_CHECKING
 
 from .._claims import Claim, ClaimState, StoredResponse
@@ -45,7 +45,7 @@ class MemoryBackend:
             raise ValueError("max_generations must be positive")
         self._ttl = ttl
         self._max = max_generations
-        self._generations: OrderedDict[str, Generation] = OrderedDict()
+        self._generations: dict[str, Generation] = {}  # oldest first
         self.usage: deque[UsageRecord] = deque(maxlen=max_generations)
         self._claims: dict[tuple[str, str], _MemoryClaim] = {}
 
@@ -130,16 +130,19 @@ class MemoryBackend:
     def _evict(self) -> None:
         generations = self._generations
         deadline = time.time() - self._ttl
-        # Running generations met at the front are moved back, so each sweep is O(evicted).
-        for _ in range(len(generations)):
-            generation = next(iter(generations.values()))
+        excess = len(generations) - self._max
+        doomed = []
+        # Oldest first; running generations are skipped, never evicted.
+        for generation_id, generation in generations.items():
             finished = generation.finished_at
             if finished is None:
-                generations.move_to_end(generation.id)
                 continue
-            if len(generations) <= self._max and finished > deadline:
-                return
-            del generations[generation.id]
+            if excess <= 0 and finished > deadline:
+                break
+            doomed.append(generation_id)
+            excess -= 1
+        for generation_id in doomed:
+            del generations[generation_id]
 
     def _live(self, generation_id: str) -> Generation | None:
         generation = self._generations.get(generation_id)

@@ -1,0 +1,199 @@
+"""DisconnectMiddleware's overhead in CPU instructions: free of the machine's timing noise.
+
+Each app (bare, then wrapped) is served by uvicorn (h11, asyncio, one worker) under
+``valgrind --tool=callgrind``. One keep-alive connection sends warm-up requests, the
+counters are zeroed, the measured requests follow one after another, and the counts are
+dumped: instructions per request (or per stream) of the whole server process, bare vs
+wrapped, and their ratio. The same binary, inputs and environment give the same counts
+whatever else the machine is doing, so this is the figure to judge a change by;
+``benchmarks.overhead`` gives the throughput it stands for.
+
+    python -m benchmarks.instructions [--requests 1000] [--streams 20]
+
+Needs valgrind (``apt-get install valgrind``); each app takes about a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+HOST = "127.0.0.1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+APPS = {"bare": "benchmarks.apps:bare_app", "wrapped": "benchmarks.apps:wrapped_app"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+class Client:
+    """Sequential keep-alive HTTP/1.1 requests on one socket; checks every response."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection((HOST, port), timeout=120)
+        self.buffer = b""
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _read_until(self, marker: bytes) -> bytes:
+        while marker not in self.buffer:
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            self.buffer += data
+        head, _, self.buffer = self.buffer.partition(marker)
+        return head
+
+    def _read_exactly(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            self.buffer += data
+        data, self.buffer = self.buffer[:size], self.buffer[size:]
+        return data
+
+    def get(self, path: str) -> int:
+        """One request; returns the body size."""
+        self.sock.sendall(f"GET {path} HTTP/1.1\r\nhost: {HOST}\r\n\r\n".encode())
+        head = self._read_until(b"\r\n\r\n").lower()
+        if not head.startswith(b"http/1.1 200"):
+            raise RuntimeError(f"{path}: {head[:40]!r}")
+        match = re.search(rb"content-length: *(\d+)", head)
+        if match:
+            return len(self._read_exactly(int(match.group(1))))
+        size = 0
+        while True:
+            length = int(self._read_until(b"\r\n"), 16)
+            size += len(self._read_exactly(length + 2)) - 2
+            if length == 0:
+                return size
+
+
+@contextlib.contextmanager
+def under_callgrind(app: str, out_dir: str) -> Iterator[tuple[int, int, str]]:
+    port = _free_port()
+    out = os.path.join(out_dir, f"{app.rsplit(':', 1)[1]}.%p")
+    proc = subprocess.Popen(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            "-m",
+            "uvicorn",
+            app,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+            "--loop",
+            "asyncio",
+            "--http",
+            "h11",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        # Hash randomisation changes dict layouts, and so the counts, from run to run.
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+    try:
+        for _ in range(1200):
+            with contextlib.suppress(OSError), socket.create_connection((HOST, port), 0.1):
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError(f"{app} did not start under valgrind")
+        yield port, proc.pid, out.replace("%p", str(proc.pid))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def _control(*args: str) -> None:
+    subprocess.run(["callgrind_control", *args], check=True, capture_output=True)
+
+
+def _dumped_total(prefix: str, before: set[str]) -> int:
+    for _ in range(600):
+        new = set(glob.glob(prefix + ".*")) - before
+        for path in new:
+            with open(path) as dump:
+                text = dump.read()
+            match = re.search(r"^totals: (\d+)", text, re.MULTILINE)
+            if match:
+                return int(match.group(1))
+        time.sleep(0.1)
+    raise RuntimeError("callgrind wrote no dump")
+
+
+def count(app: str, route: str, requests: int, warmup: int, out_dir: str) -> float:
+    """Instructions the server process executes per request on ``route``."""
+    with under_callgrind(app, out_dir) as (port, pid, prefix):
+        client = Client(port)
+        try:
+            for _ in range(warmup):
+                client.get(route)
+            _control("-z", str(pid))
+            for _ in range(requests):
+                client.get(route)
+            before = set(glob.glob(prefix + ".*"))
+            _control("-d", str(pid))
+            total = _dumped_total(prefix, before)
+        finally:
+            client.close()
+    return total / requests
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=1000, help="measured /json requests")
+    parser.add_argument("--streams", type=int, default=20, help="measured /sse streams")
+    args = parser.parse_args()
+    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+        sys.exit("valgrind is not installed (apt-get install valgrind)")
+    from benchmarks.apps import SSE_EVENTS
+
+    plan = (
+        ("/json", args.requests, 200, "request"),
+        ("/sse", args.streams, 5, "stream"),
+        ("/sse-paced", args.streams, 5, "stream"),
+    )
+    print("uvicorn (h11, asyncio) under callgrind; instructions of the server process")
+    with tempfile.TemporaryDirectory() as out_dir:
+        for route, requests, warmup, unit in plan:
+            counts = {
+                name: count(app, route, requests, warmup, out_dir) for name, app in APPS.items()
+            }
+            bare, wrapped = counts["bare"], counts["wrapped"]
+            per_chunk = ""
+            if unit == "stream":
+                per_chunk = f"; +{(wrapped - bare) / SSE_EVENTS:,.0f} per chunk"
+            print(
+                f"{route:10} per {unit}: bare {bare:,.0f}  wrapped {wrapped:,.0f}  "
+                f"(+{wrapped - bare:,.0f}, +{(wrapped - bare) / bare:.1%}{per_chunk}); "
+                f"as a throughput ratio {bare / wrapped:.3f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
