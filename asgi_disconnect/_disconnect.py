@@ -465,33 +465,8 @@ class _Exchange:
             await waiter
 
     async def app_send(self, message: Message) -> None:
-        if self.direct and message["type"] == "http.response.body":
-            body = message.get("body", b"")
-            if body and message.get("more_body", False):
-                # The hot path, one chunk of a stream whose client keeps up: append it to
-                # the log and hand the app's own message to the server from this task, as
-                # long as the server takes it without waiting.
-                live: Generation = self.generation  # type: ignore[assignment]
-                live.size += len(body)
-                live.chunks.append(body)
-                if live.waiters:
-                    live.wake()
-                sending: Any = self.send(message)
-                try:
-                    waiting_on = sending.send(None)
-                except StopIteration:
-                    self.sent_index += 1
-                    self.state.delivered_bytes += len(body)
-                except OSError:
-                    self._client_went_away()
-                else:
-                    self._start_writer(
-                        sending, waiting_on, (message, len(body), self.sent_index + 1)
-                    )
-                return
-        # Everything else: the start, the last chunk, a client that fell behind or left.
-        kind = message["type"]
-        if kind != "http.response.body":
+        if message["type"] != "http.response.body":
+            kind = message["type"]
             if kind == "http.response.start":
                 message = self._start(message)
             if not self.client_gone:
@@ -502,13 +477,33 @@ class _Exchange:
                 else:
                     self.direct = kind == "http.response.start"
             return
+        body = message.get("body", b"")
+        more_body = message.get("more_body", False)
+        if self.direct and more_body and body:
+            # The hot path, one chunk of a stream whose client keeps up: append it to the
+            # log and hand the app's own message to the server from this task, as long as
+            # the server takes it without waiting.
+            live: Generation = self.generation  # type: ignore[assignment]
+            live.size += len(body)
+            live.chunks.append(body)
+            if live.waiters:
+                live.wake()
+            sending: Any = self.send(message)
+            try:
+                waiting_on = sending.send(None)
+            except StopIteration:
+                self.sent_index += 1
+                self.state.delivered_bytes += len(body)
+            except OSError:
+                self._client_went_away()
+            else:
+                self._start_writer(sending, waiting_on, (message, len(body), self.sent_index + 1))
+            return
         generation = self.generation
         if generation is None:
             raise RuntimeError(
                 "ASGI message 'http.response.body' sent before 'http.response.start'"
             )
-        body = message.get("body", b"")
-        more_body = message.get("more_body", False)
         if body:
             generation.append(body)
         if not more_body:
@@ -522,11 +517,20 @@ class _Exchange:
         if self.writer is not None:
             if generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
                 self._wake("lag")
-        elif not more_body and not self.sent_index and len(generation.chunks) <= 1:
-            # The whole response in one message: send it as it is.
+        elif more_body or self.sent_index or len(generation.chunks) > 1:
+            self._pump()
+        elif len(body) > _DIRECT_SEND_LIMIT:
             await self._send_whole(message, len(body))
         else:
-            self._pump()
+            # The whole response in one message: send it as it is.
+            self.final_sending = True
+            try:
+                await self.send(message)
+            except OSError:
+                self._client_went_away()
+                return
+            self.state.delivered_bytes += len(body)
+            self.response_complete = True
 
     def _start(self, message: Message) -> Message:
         """Open the generation; return the start message with ``x-generation-id`` added."""
@@ -556,13 +560,12 @@ class _Exchange:
         self._wake("client")
 
     async def _send_whole(self, message: Message, size: int) -> None:
+        """Send a large response in one message, under the lag deadline: a client that
+        stops reading cannot hold it."""
         self.final_sending = True
         try:
-            if size <= _DIRECT_SEND_LIMIT:
+            async with asyncio.timeout(self.mw.max_lag_seconds):
                 await self.send(message)
-            else:
-                async with asyncio.timeout(self.mw.max_lag_seconds):
-                    await self.send(message)
         except OSError:
             self._client_went_away()
             return

@@ -24,9 +24,6 @@ class Status(enum.StrEnum):
     INTERRUPTED = "interrupted"
 
 
-_RUNNING = Status.RUNNING
-
-
 class GenerationInfo(msgspec.Struct, frozen=True, kw_only=True):
     """What ``GET {resume_prefix}/{id}`` reports about a generation."""
 
@@ -52,24 +49,17 @@ class Generation:
     flusher) are woken and read at their own pace.
     """
 
-    __slots__ = (
-        "_content_type",
-        "_ends",
-        "_headers",
-        "chunks",
-        "created_at",
-        "detached",
-        "error",
-        "finished_at",
-        "id",
-        "policy",
-        "principal",
-        "running",
-        "size",
-        "status",
-        "status_code",
-        "waiters",
-    )
+    # Fields a generation starts with and rarely changes live on the class until it does,
+    # so opening one (on every request) stores only what differs.
+    finished_at: float | None = None
+    status = Status.RUNNING
+    running = True
+    policy: str | None = None
+    detached = False
+    error: str | None = None
+    size = 0
+    _ends: list[int] | None = None  # chunk end offsets, built when a reader needs them
+    waiters: list[asyncio.Future[None]] | None = None
 
     def __init__(
         self,
@@ -87,16 +77,7 @@ class Generation:
         # The response's raw headers; the content type is looked up only when needed.
         self._headers = headers
         self.created_at = time.time()
-        self.finished_at: float | None = None
-        self.status = _RUNNING
-        self.running = True
-        self.policy: str | None = None
-        self.detached = False
-        self.error: str | None = None
-        self.size = 0
         self.chunks: list[bytes] = []
-        self._ends: list[int] | None = None  # chunk end offsets, built when a reader needs them
-        self.waiters: list[asyncio.Future[None]] | None = None
 
     @property
     def content_type(self) -> str | None:

@@ -25,28 +25,17 @@ class Closable(Protocol):
 class RequestState:
     """What the middlewares know about one request; read it, don't replace it."""
 
-    __slots__ = (
-        "_disconnected",
-        "_finalizers",
-        "delivered_bytes",
-        "detached",
-        "disconnect_reason",
-        "generation",
-        "generation_id",
-        "policy",
-        "principal",
-        "upstreams",
-    )
+    # Defaults live on the class: a request sets only what differs.
+    generation: Generation | None = None
+    principal: str | None = None
+    policy: Policy | None = None
+    detached = False
+    _disconnected: asyncio.Event | None = None
+    disconnect_reason: str | None = None
+    delivered_bytes = 0
 
     def __init__(self, generation_id: str) -> None:
         self.generation_id = generation_id
-        self.generation: Generation | None = None
-        self.principal: str | None = None
-        self.policy: Policy | None = None
-        self.detached = False
-        self._disconnected: asyncio.Event | None = None
-        self.disconnect_reason: str | None = None
-        self.delivered_bytes = 0
         self.upstreams: list[Closable] = []
         self._finalizers: list[Callable[[], object]] | None = []
 

@@ -48,5 +48,6 @@ def make_app() -> Starlette:
 bare_app = make_app()
 logging.getLogger("asgi_disconnect").setLevel(logging.ERROR)
 # A durable backend keeps no finished generation in memory once it is flushed; the memory
-# backend here keeps a few, so the retained logs do not turn the run into a GC benchmark.
-wrapped_app = DisconnectMiddleware(make_app(), backend=MemoryBackend(max_generations=20))
+# backend here keeps the last thousand (each stream's log holds 1,000 chunks), evicting the
+# oldest an eighth at a time as it would in production.
+wrapped_app = DisconnectMiddleware(make_app(), backend=MemoryBackend(max_generations=1000))

@@ -40,6 +40,17 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# With two cores or more, the servers share one core and the load generator has another:
+# no migrations, and neither server competes with the load for its core.
+PINNED = hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
+SERVER_CPU, LOAD_CPU = sorted(os.sched_getaffinity(0))[:2] if PINNED else (None, None)
+
+
+def _pin(cpu: int | None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux)."""
     with open(f"/proc/{pid}/stat") as stat:
@@ -71,6 +82,7 @@ def serve(app: str) -> Iterator[tuple[int, int]]:
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         # wrk hangs up on streams still in flight at the end of each run: keep that quiet.
         stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: _pin(SERVER_CPU),
     )
     try:
         for _ in range(500):
@@ -98,6 +110,7 @@ def wrk(port: int, route: str, connections: int, seconds: float) -> float:
         check=True,
         capture_output=True,
         text=True,
+        preexec_fn=lambda: _pin(LOAD_CPU),
     ).stdout
     match = re.search(r"Requests/sec:\s+([\d.]+)", out)
     assert match is not None, out
@@ -144,7 +157,8 @@ def main() -> None:
                     cpu.setdefault((name, route), []).append(used / (rate * args.seconds))
     print(
         f"uvicorn (h11, asyncio), {args.rounds} rounds x {args.seconds}s, "
-        f"{args.connections} connections, load from {'wrk' if shutil.which('wrk') else 'asyncio'}; "
+        f"{args.connections} connections, load from {'wrk' if shutil.which('wrk') else 'asyncio'}"
+        f"{f'; servers on CPU {SERVER_CPU}, load on CPU {LOAD_CPU}' if PINNED else ''}; "
         "median per round"
     )
     for route, unit in (
