@@ -475,7 +475,8 @@ class _Exchange:
                 except OSError:
                     self._client_went_away()
                 else:
-                    self.direct = kind == "http.response.start"
+                    # The client may have gone while the server took the start.
+                    self.direct = kind == "http.response.start" and not self.client_gone
             return
         body = message.get("body", b"")
         more_body = message.get("more_body", False)

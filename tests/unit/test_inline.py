@@ -157,3 +157,88 @@ async def test_a_mispredicted_detach_still_finishes_and_is_relearned() -> None:
         assert mw._cancel_only[("GET", "/detach")] is False
         info = mw.backend._generations[result.header("x-generation-id")]  # type: ignore[attr-defined]
         assert info.status is Status.COMPLETE
+
+
+class _AwaitableOnly:
+    """An awaitable that is not a coroutine, as some ASGI apps return from ``__call__``."""
+
+    def __init__(self, coroutine: object) -> None:
+        self.coroutine = coroutine
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        return self.coroutine.__await__()  # type: ignore[attr-defined]
+
+
+async def test_an_app_returning_a_plain_awaitable_runs_inline() -> None:
+    app = sse_app(Probe(), chunks=5, delay=0)
+
+    def plain(scope, receive, send):  # type: ignore[no-untyped-def]
+        return _AwaitableOnly(app(scope, receive, send))
+
+    mw = inline(plain, ("GET", "/json"), ("GET", "/cancel"))  # type: ignore[arg-type]
+    small = await drive(mw, path="/json")
+    assert small.body == b'{"ok":true}'
+    stream = await drive(mw, path="/cancel")
+    assert stream.complete
+    assert stream.body.count(b"data: ") == 5
+    assert mw._cancel_only[("GET", "/cancel")] is True
+
+
+async def test_chunks_after_the_client_left_during_the_start_are_not_sent() -> None:
+    # The server takes the start slowly; the client leaves meanwhile. The detached app
+    # goes on: its chunks reach the log, never the server.
+    start_taken = asyncio.Event()
+    sent: list[dict[str, object]] = []
+
+    async def stream(request: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            for index in range(3):
+                yield f"data: {index}\n\n".encode()
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    from asgi_disconnect import disconnect_policy
+
+    app = Starlette(routes=[Route("/s", disconnect_policy("detach")(stream))])
+    mw = DisconnectMiddleware(app, backend=MemoryBackend())
+    messages = [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive() -> dict[str, object]:
+        if messages:
+            return messages.pop()
+        await asyncio.sleep(0.01)
+        start_taken.set()  # the start is released only after the client has gone
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        if message["type"] == "http.response.start":
+            await start_taken.wait()
+            await asyncio.sleep(0.01)
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/s",
+        "raw_path": b"/s",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    async with lifespan(mw):
+        await mw(scope, receive, send)  # type: ignore[arg-type]
+        state = scope["asgi_disconnect"]
+        generation = state.generation  # type: ignore[attr-defined]
+        async with asyncio.timeout(5):
+            while generation.running:
+                await asyncio.sleep(0.01)
+    assert [message["type"] for message in sent] == ["http.response.start"]
+    assert generation.status is Status.COMPLETE
+    assert b"".join(generation.chunks) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert state.delivered_bytes == 0  # type: ignore[attr-defined]
+    assert mw.counters.detached == 1
