@@ -465,8 +465,8 @@ class _Exchange:
             await waiter
 
     async def app_send(self, message: Message) -> None:
-        if message["type"] != "http.response.body":
-            kind = message["type"]
+        kind = message["type"]
+        if kind != "http.response.body":
             if kind == "http.response.start":
                 message = self._start(message)
             if not self.client_gone:
@@ -484,6 +484,7 @@ class _Exchange:
             # The hot path, one chunk of a stream whose client keeps up: append it to the
             # log and hand the app's own message to the server from this task, as long as
             # the server takes it without waiting.
+            # Generation.append, inlined: a direct exchange's generation is running.
             live: Generation = self.generation  # type: ignore[assignment]
             live.size += len(body)
             live.chunks.append(body)
@@ -520,18 +521,8 @@ class _Exchange:
                 self._wake("lag")
         elif more_body or self.sent_index or len(generation.chunks) > 1:
             self._pump()
-        elif len(body) > _DIRECT_SEND_LIMIT:
-            await self._send_whole(message, len(body))
         else:
-            # The whole response in one message: send it as it is.
-            self.final_sending = True
-            try:
-                await self.send(message)
-            except OSError:
-                self._client_went_away()
-                return
-            self.state.delivered_bytes += len(body)
-            self.response_complete = True
+            await self._send_whole(message, len(body))
 
     def _start(self, message: Message) -> Message:
         """Open the generation; return the start message with ``x-generation-id`` added."""
@@ -561,12 +552,15 @@ class _Exchange:
         self._wake("client")
 
     async def _send_whole(self, message: Message, size: int) -> None:
-        """Send a large response in one message, under the lag deadline: a client that
-        stops reading cannot hold it."""
+        """Send the whole response, one message, as the app gave it. A large one is sent
+        under the lag deadline, so a client that stops reading cannot hold it."""
         self.final_sending = True
         try:
-            async with asyncio.timeout(self.mw.max_lag_seconds):
+            if size <= _DIRECT_SEND_LIMIT:
                 await self.send(message)
+            else:
+                async with asyncio.timeout(self.mw.max_lag_seconds):
+                    await self.send(message)
         except OSError:
             self._client_went_away()
             return
@@ -603,7 +597,7 @@ class _Exchange:
         """The chunks produced and not yet handed to the server, as one message."""
         generation = self.generation
         assert generation is not None
-        count = generation.chunk_count
+        count = len(generation.chunks)
         ended = not generation.running
         if self.sent_index < count:
             chunks = generation.chunks_from(self.sent_index)

@@ -46,7 +46,10 @@ class Generation:
     """One response's output, appended by the producer and read by any number of followers.
 
     Appending never waits: followers (the client writer, resume readers, a backend
-    flusher) are woken and read at their own pace.
+    flusher) are woken and read at their own pace. ``chunks`` is the log itself; only the
+    producer appends to it (``append``, which the exchange inlines on its per-chunk path).
+    ``running`` is ``status is Status.RUNNING``, kept as a field because it is read per
+    chunk and a property call there costs more than the rest of the check.
     """
 
     # Fields a generation starts with and rarely changes live on the class until it does,
@@ -89,10 +92,6 @@ class Generation:
                     self._content_type = bytes(value).decode("latin-1")
                     break
         return self._content_type
-
-    @property
-    def chunk_count(self) -> int:
-        return len(self.chunks)
 
     def append(self, data: bytes) -> None:
         if not self.running:

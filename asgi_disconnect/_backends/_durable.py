@@ -411,7 +411,7 @@ class DurableBackend:
                         generation.detached,
                     )
                 )
-            count = generation.chunk_count
+            count = len(generation.chunks)
             start = tracked.size
             pending = generation.chunks_from(tracked.chunks)[: count - tracked.chunks]
             if pending and budget > 0:

@@ -10,8 +10,15 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
-from asgi_disconnect import DisconnectMiddleware, MemoryBackend, Status
+from asgi_disconnect import (
+    DisconnectMiddleware,
+    MemoryBackend,
+    RequestState,
+    Status,
+    disconnect_policy,
+)
 from asgi_disconnect.testing import drive, lifespan
 from asgi_disconnect.upstream import track
 from tests.apps import Probe, sse_app
@@ -187,9 +194,6 @@ async def test_an_app_returning_a_plain_awaitable_runs_inline() -> None:
 async def test_chunks_after_the_client_left_during_the_start_are_not_sent() -> None:
     # The server takes the start slowly; the client leaves meanwhile. The detached app
     # goes on: its chunks reach the log, never the server.
-    start_taken = asyncio.Event()
-    sent: list[dict[str, object]] = []
-
     async def stream(request: Request) -> StreamingResponse:
         async def body() -> AsyncIterator[bytes]:
             for index in range(3):
@@ -197,48 +201,31 @@ async def test_chunks_after_the_client_left_during_the_start_are_not_sent() -> N
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    from asgi_disconnect import disconnect_policy
-
     app = Starlette(routes=[Route("/s", disconnect_policy("detach")(stream))])
     mw = DisconnectMiddleware(app, backend=MemoryBackend())
-    messages = [{"type": "http.request", "body": b"", "more_body": False}]
+    sent: list[str] = []
+    states: list[RequestState] = []
 
-    async def receive() -> dict[str, object]:
-        if messages:
-            return messages.pop()
-        await asyncio.sleep(0.01)
-        start_taken.set()  # the start is released only after the client has gone
-        return {"type": "http.disconnect"}
+    async def server(scope: Scope, receive: Receive, send: Send) -> None:
+        async def slow_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                await asyncio.sleep(0.1)
+            sent.append(message["type"])
+            await send(message)
 
-    async def send(message: dict[str, object]) -> None:
-        if message["type"] == "http.response.start":
-            await start_taken.wait()
-            await asyncio.sleep(0.01)
-        sent.append(message)
+        await mw(scope, receive, slow_send)
+        states.append(scope["asgi_disconnect"])
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": "/s",
-        "raw_path": b"/s",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 2),
-    }
     async with lifespan(mw):
-        await mw(scope, receive, send)  # type: ignore[arg-type]
-        state = scope["asgi_disconnect"]
-        generation = state.generation  # type: ignore[attr-defined]
+        result = await drive(server, path="/s", disconnect_after_seconds=0.02)
+        assert result.disconnected
+        generation = states[0].generation
+        assert generation is not None
         async with asyncio.timeout(5):
             while generation.running:
                 await asyncio.sleep(0.01)
-    assert [message["type"] for message in sent] == ["http.response.start"]
+    assert sent == ["http.response.start"]
     assert generation.status is Status.COMPLETE
-    assert b"".join(generation.chunks) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
-    assert state.delivered_bytes == 0  # type: ignore[attr-defined]
+    assert b"".join(generation.chunks_from(0)) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert states[0].delivered_bytes == 0
     assert mw.counters.detached == 1
