@@ -9,7 +9,7 @@ error object and otherwise ignored. Handlers never raise on any input.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -97,6 +97,21 @@ def error_frame(state: StreamState, data: str) -> None:
     state.set_error(inner if inner else payload, data)
 
 
+_T = TypeVar("_T")
+
+
+def _decoded(decoder: msgspec.json.Decoder[_T], state: StreamState, data: str) -> _T | None:
+    """``data`` decoded; None for a payload that is not JSON, or that does not fit (whose
+    error object, if it carries one, is kept)."""
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError:
+        _fallback(state, data)
+    except msgspec.DecodeError:
+        pass
+    return None
+
+
 def _fallback(state: StreamState, data: str) -> None:
     """A payload that did not fit its struct: keep its error object, if it carries one."""
     try:
@@ -151,12 +166,8 @@ def openai_chat(state: StreamState, event: ServerSentEvent) -> None:
     if event.event == "error":
         error_frame(state, data)
         return
-    try:
-        chunk = _CHAT.decode(data)
-    except msgspec.ValidationError:
-        _fallback(state, data)
-        return
-    except msgspec.DecodeError:
+    chunk = _decoded(_CHAT, state, data)
+    if chunk is None:
         return
     if chunk.model and state.model is None:
         state.model = chunk.model
@@ -250,15 +261,11 @@ def openai_responses(state: StreamState, event: ServerSentEvent) -> None:
             state.text.append(delta)
     elif kind in _RESPONSES_TERMINAL:
         state.terminal = True
-        try:
-            response = _RESPONSES_LIFECYCLE.decode(data).response
-        except msgspec.ValidationError:
-            _fallback(state, data)
+        lifecycle = _decoded(_RESPONSES_LIFECYCLE, state, data)
+        if lifecycle is None:
             return
-        except msgspec.DecodeError:
-            return
-        if response is not None:
-            _read_response(state, response, data)
+        if lifecycle.response is not None:
+            _read_response(state, lifecycle.response, data)
         if kind == "response.failed" and state.error is None:
             state.set_error({"type": "response_failed"}, data)
     elif kind == "error":
@@ -424,12 +431,8 @@ def gemini(state: StreamState, event: ServerSentEvent) -> None:
     if event.event == "error":
         error_frame(state, data)
         return
-    try:
-        chunk = _GEMINI.decode(data)
-    except msgspec.ValidationError:
-        _fallback(state, data)
-        return
-    except msgspec.DecodeError:
+    chunk = _decoded(_GEMINI, state, data)
+    if chunk is None:
         return
     if chunk.model_version and state.model is None:
         state.model = chunk.model_version
