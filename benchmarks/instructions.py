@@ -28,15 +28,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-HOST = "127.0.0.1"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks._uvicorn import HOST, ROOT, free_port, uvicorn_command, wait_until_listening
+
 APPS = {"bare": "benchmarks.apps:bare_app", "wrapped": "benchmarks.apps:wrapped_app"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 class Client:
@@ -86,28 +80,14 @@ class Client:
 
 @contextlib.contextmanager
 def under_callgrind(app: str, out_dir: str) -> Iterator[tuple[int, int, str]]:
-    port = _free_port()
+    port = free_port()
     out = os.path.join(out_dir, f"{app.rsplit(':', 1)[1]}.%p")
     proc = subprocess.Popen(
         [
             "valgrind",
             "--tool=callgrind",
             f"--callgrind-out-file={out}",
-            sys.executable,
-            "-m",
-            "uvicorn",
-            app,
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--no-access-log",
-            "--loop",
-            "asyncio",
-            "--http",
-            "h11",
+            *uvicorn_command(app, port),
         ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
@@ -116,12 +96,7 @@ def under_callgrind(app: str, out_dir: str) -> Iterator[tuple[int, int, str]]:
         env={**os.environ, "PYTHONHASHSEED": "0"},
     )
     try:
-        for _ in range(1200):
-            with contextlib.suppress(OSError), socket.create_connection((HOST, port), 0.1):
-                break
-            time.sleep(0.1)
-        else:
-            raise RuntimeError(f"{app} did not start under valgrind")
+        wait_until_listening(port, 120, f"{app} under valgrind")
         yield port, proc.pid, out.replace("%p", str(proc.pid))
     finally:
         proc.terminate()

@@ -20,24 +20,15 @@ import contextlib
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 from benchmarks._load import run_load
+from benchmarks._uvicorn import HOST, ROOT, free_port, uvicorn_command, wait_until_listening
 from benchmarks.apps import SSE_EVENTS
 
-HOST = "127.0.0.1"
 ROUTES = ("/json", "/sse", "/sse-paced")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 # With two cores or more, the servers share one core and the load generator has another:
@@ -60,37 +51,16 @@ def cpu_seconds(pid: int) -> float:
 
 @contextlib.contextmanager
 def serve(app: str) -> Iterator[tuple[int, int]]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            app,
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--no-access-log",
-            "--loop",
-            "asyncio",
-            "--http",
-            "h11",
-        ],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        uvicorn_command(app, port),
+        cwd=ROOT,
         # wrk hangs up on streams still in flight at the end of each run: keep that quiet.
         stderr=subprocess.DEVNULL,
         preexec_fn=lambda: _pin(SERVER_CPU),
     )
     try:
-        for _ in range(500):
-            with contextlib.suppress(OSError), socket.create_connection((HOST, port), 0.1):
-                break
-            time.sleep(0.02)
-        else:
-            raise RuntimeError(f"{app} did not start")
+        wait_until_listening(port, 10, app)
         yield port, proc.pid
     finally:
         proc.terminate()
