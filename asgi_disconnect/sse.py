@@ -38,7 +38,7 @@ class SSEDecodeError(ValueError):
     """The stream broke a size limit; the decoder refuses further input."""
 
 
-class ServerSentEvent(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+class ServerSentEvent(msgspec.Struct, frozen=True, gc=False):
     """One dispatched event.
 
     ``id`` is the stream's last event ID when the event was dispatched (it persists across
@@ -164,7 +164,7 @@ class SSEDecoder:
             if rest == b"\n":
                 if head[:6] == b"data: ":
                     data = head[6:].decode("utf-8", "replace")
-                    return [ServerSentEvent(data=data, id=self.last_event_id)]
+                    return [ServerSentEvent("message", data, self.last_event_id)]
             elif head[:7] == b"event: ":
                 line, _, rest = rest.partition(b"\n")
                 if rest == b"\n" and line[:6] == b"data: ":
@@ -204,15 +204,9 @@ class SSEDecoder:
         if text[:6] == "data: ":
             newline = text.find("\n")
             if newline == len(text) - 2:
-                return [ServerSentEvent(data=text[6:newline], id=self.last_event_id)]
-            out = []
-            self._data_run(text, out)
-            return out
+                return [ServerSentEvent("message", text[6:newline], self.last_event_id)]
         out = []
-        if text[:7] == "event: ":
-            self._event_run(text, out)
-        else:
-            self._parse(text, False, out)
+        self._run(text, out)
         return out
 
     def _feed_lines(self, chunk: bytes, newline: int, partial: int) -> list[ServerSentEvent]:
@@ -236,12 +230,8 @@ class SSEDecoder:
         text = chunk.decode("utf-8", "replace")
         if self._dirty or len(chunk) > self._fast_limit:
             self._parse(text, len(chunk) > self._fast_limit, out)
-        elif text[:7] == "event: ":
-            self._event_run(text, out)
-        elif text[:6] == "data: ":
-            self._data_run(text, out)
         else:
-            self._parse(text, False, out)
+            self._run(text, out)
         return out
 
     def close(self) -> list[ServerSentEvent]:
@@ -340,69 +330,91 @@ class SSEDecoder:
                 end = text.find("\n\n")
                 self._block(text[:end], out)
                 pos = end + 2
+        if not big:
+            if pos < len(text):
+                self._run(text[pos:] if pos else text, out)
+            return
         size = len(text)
         while pos < size:
             if text[pos] == "\n":
                 pos += 1  # a blank line between events dispatches nothing
                 continue
-            if not big:
-                if text.startswith("data: ", pos):
-                    self._data_run(text[pos:], out)
-                    return
-                if text.startswith("event: ", pos):
-                    self._event_run(text[pos:], out)
-                    return
             end = text.find("\n\n", pos)
             self._block(text[pos:end], out)
             pos = end + 2
 
-    def _data_run(self, text: str, out: list[ServerSentEvent]) -> None:
-        """Parse blocks from a ``data: `` line on; ``data: VALUE`` blocks take the fast path."""
-        pieces = text.split("\n\ndata: ")
-        pieces[0] = pieces[0][6:]
-        pieces[-1] = pieces[-1][:-2]
+    def _run(self, text: str, out: list[ServerSentEvent]) -> None:
+        """Parse whole blocks, the last one ending with a blank line, from the start of a block.
+
+        A stream repeats one shape, ``data: VALUE`` or ``event: NAME`` + ``data: VALUE``: one
+        split on the blank line and the next block's first field cuts the run into events.
+        A piece that is not that shape is cut into blocks and each is parsed on its own.
+        """
         append = out.append
         event_id = self.last_event_id
-        for piece in pieces:
-            if "\n" in piece:
-                self._blocks("data: " + piece, out)
-                event_id = self.last_event_id
-            else:
-                append(ServerSentEvent(data=piece, id=event_id))
-
-    def _event_run(self, text: str, out: list[ServerSentEvent]) -> None:
-        """Parse blocks from an ``event: `` line on; ``event: NAME\\ndata: VALUE`` go fast."""
-        newline = text.find("\n")
-        if text.startswith("data: ", newline + 1) and text.find("\n", newline + 1) == len(text) - 2:
-            out.append(
-                ServerSentEvent(
-                    event=text[7:newline] or "message",
-                    data=text[newline + 7 : -2],
-                    id=self.last_event_id,
-                )
-            )
-            return
-        pieces = text.split("\n\nevent: ")
-        pieces[0] = pieces[0][7:]
-        pieces[-1] = pieces[-1][:-2]
-        append = out.append
-        event_id = self.last_event_id
-        for piece in pieces:
-            name, found, data = piece.partition("\ndata: ")
-            if found and "\n" not in name and "\n" not in data:
-                append(ServerSentEvent(event=name or "message", data=data, id=event_id))
-            else:
-                self._blocks("event: " + piece, out)
-                event_id = self.last_event_id
-
-    def _blocks(self, text: str, out: list[ServerSentEvent]) -> None:
-        """Parse ``text``, blocks with no final blank line: the first line by line, then runs."""
-        end = text.find("\n\n")
-        if end < 0:
-            self._block(text, out)
+        if text.startswith("data: "):
+            pieces = text.split("\n\ndata: ")
+            pieces[0] = pieces[0][6:]
+            pieces[-1] = pieces[-1][:-2]
+            for piece in pieces:
+                if "\n" in piece:
+                    self._blocks(piece, "data: ", out)
+                    event_id = self.last_event_id
+                else:
+                    append(ServerSentEvent("message", piece, event_id))
+        elif text.startswith("event: "):
+            pieces = text.split("\n\nevent: ")
+            pieces[0] = pieces[0][7:]
+            pieces[-1] = pieces[-1][:-2]
+            for piece in pieces:
+                newline = piece.find("\n")
+                if (
+                    newline >= 0
+                    and piece.startswith("data: ", newline + 1)
+                    and piece.find("\n", newline + 7) < 0
+                ):
+                    append(
+                        ServerSentEvent(
+                            piece[:newline] or "message", piece[newline + 7 :], event_id
+                        )
+                    )
+                else:
+                    self._blocks(piece, "event: ", out)
+                    event_id = self.last_event_id
         else:
-            self._block(text[:end], out)
-            self._parse(text[end + 2 :] + "\n\n", False, out)
+            self._blocks(text[:-2], "", out)
+
+    def _blocks(self, text: str, field: str, out: list[ServerSentEvent]) -> None:
+        """Parse ``field + text``, blocks separated by blank lines, up to the next run.
+
+        A block that starts a run of another shape hands the rest to :meth:`_run`. That rest
+        holds no block starting with the shape ``text`` was cut from, so this recurses at most
+        twice whatever the input.
+        """
+        end = text.find("\n\n")
+        self._one_block(field + text[:end] if end >= 0 else field + text, out)
+        while end >= 0:
+            pos = end + 2
+            if text.startswith("data: ", pos) or text.startswith("event: ", pos):
+                self._run(text[pos:] + "\n\n", out)
+                return
+            end = text.find("\n\n", pos)
+            if end != pos:
+                self._one_block(text[pos:end] if end >= 0 else text[pos:], out)
+
+    def _one_block(self, block: str, out: list[ServerSentEvent]) -> None:
+        """Parse one block: the two common shapes at once, any other line by line."""
+        if block.startswith("data: "):
+            if "\n" not in block:
+                out.append(ServerSentEvent("message", block[6:], self.last_event_id))
+                return
+        elif block.startswith("event: "):
+            newline = block.find("\n")
+            if block.startswith("data: ", newline + 1) and block.find("\n", newline + 7) < 0:
+                name = block[7:newline] or "message"
+                out.append(ServerSentEvent(name, block[newline + 7 :], self.last_event_id))
+                return
+        self._block(block, out)
 
     def _block(self, text: str, out: list[ServerSentEvent]) -> None:
         """Parse the lines of ``text``, then the blank line that ends it."""

@@ -6,6 +6,9 @@ usually deliver a stream). Bodies: the recorded vectors in tests/data concatenat
 repeated to about 5 MB, and a synthetic 1,000-token OpenAI chat stream repeated to the same
 size. Prints the best of --runs runs in MB/s and the ratio of ours to the fastest peer.
 
+When the installed decoder is compiled (hatch_build.py), ``sse.py`` also runs as plain Python
+beside it, as an install without a C compiler would run it, with its own ratio.
+
     python -m benchmarks.sse_decode [--runs 5] [--megabytes 5]
 
 The peers are benchmark-only dependencies (``pip install httpx-sse openai``); a peer that is
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import platform
 import sys
@@ -25,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from asgi_disconnect.sse import SSEDecoder
+from asgi_disconnect import sse
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 
@@ -33,13 +37,32 @@ DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 Decode = Callable[[list[bytes]], list[Any]]
 
 
-def decode_ours(chunks: list[bytes]) -> list[Any]:
-    decoder = SSEDecoder()
-    events = []
-    for chunk in chunks:
-        events += decoder.feed(chunk)
-    decoder.close()
-    return events
+def decoding_with(module: Any) -> Decode:
+    def decode(chunks: list[bytes]) -> list[Any]:
+        decoder = module.SSEDecoder()
+        events = []
+        for chunk in chunks:
+            events += decoder.feed(chunk)
+        decoder.close()
+        return events
+
+    return decode
+
+
+decode_ours = decoding_with(sse)
+COMPILED = not sse.__file__.endswith(".py")
+
+
+def load_source() -> Decode:
+    """asgi_disconnect/sse.py run as plain Python, whether or not the installed one is compiled."""
+    name = "asgi_disconnect._sse_as_python"
+    spec = importlib.util.spec_from_file_location(name, Path(sse.__file__).with_name("sse.py"))
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return decoding_with(module)
 
 
 def load_httpx_sse() -> Decode:
@@ -150,7 +173,10 @@ def main() -> None:
     args = parser.parse_args()
     size = int(args.megabytes * 1_000_000)
 
-    decoders: dict[str, Decode] = {"asgi_disconnect": decode_ours}
+    ours = {"asgi_disconnect": decode_ours}
+    if COMPILED:
+        ours = {"ours, compiled": decode_ours, "ours, Python": load_source()}
+    decoders: dict[str, Decode] = dict(ours)
     for name, package, load in (
         ("httpx-sse", "httpx-sse", load_httpx_sse),
         ("openai", "openai", load_openai),
@@ -163,6 +189,7 @@ def main() -> None:
         f"Python {platform.python_version()} on {platform.machine()}; "
         f"httpx-sse {version('httpx-sse')}, openai {version('openai')}; best of {args.runs} runs"
     )
+    print(f"asgi_disconnect.sse: {'compiled by mypyc' if COMPILED else 'plain Python'}")
 
     vectors = b"".join(
         path.read_bytes() for path in sorted(DATA.glob("*.sse")) if ".synthetic." not in path.name
@@ -175,8 +202,9 @@ def main() -> None:
         events = len(decode_ours([body]))
         print(f"{body_name}: {len(body) / 1e6:.1f} MB, {events:,} events")
     names = list(decoders)
+    peer_names = [name for name in names if name not in ours]
     header = f"{'body':30} {'chunks':10}" + "".join(f"{name + ' MB/s':>22}" for name in names)
-    print(header + f"{'ours / fastest peer':>22}")
+    print(header + "".join(f"{name + ' / peer':>22}" for name in ours))
     for body_name, body in bodies.items():
         for chunking, chunks in chunkings(body).items():
             expected = summary(decode_ours(chunks))
@@ -191,9 +219,11 @@ def main() -> None:
             row = f"{body_name:30} {chunking:10}" + "".join(
                 f"{speeds[name]:>22.1f}" for name in names
             )
-            peers = [speeds[name] for name in names[1:]]
-            ratio = f"{speeds[names[0]] / max(peers):>21.2f}x" if peers else f"{'-':>22}"
-            print(row + ratio, flush=True)
+            fastest = max((speeds[name] for name in peer_names), default=0.0)
+            ratios = "".join(
+                f"{speeds[name] / fastest:>21.2f}x" if fastest else f"{'-':>22}" for name in ours
+            )
+            print(row + ratios, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,15 @@
-"""SSEDecoder: the WHATWG event-stream rules one by one, limits, and any chunking."""
+"""SSEDecoder: the WHATWG event-stream rules one by one, limits, and any chunking.
+
+Every test runs against the installed decoder (compiled by mypyc where the build could) and
+against ``sse.py`` run as plain Python, which is what an install without a compiler gets.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import os
+import sys
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +24,57 @@ from asgi_disconnect.sse import ServerSentEvent, SSEDecodeError, SSEDecoder
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 VECTORS = sorted(path.name for path in DATA.glob("*.sse"))
+SOURCE = Path(sse.__file__).with_name("sse.py")
+COMPILED = not sse.__file__.endswith(".py")
+
+
+def _run_from_source() -> object:
+    name = "asgi_disconnect._sse_as_python"
+    spec = importlib.util.spec_from_file_location(name, SOURCE)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # msgspec resolves the event's annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+IMPLEMENTATIONS = {"compiled": sse, "python": _run_from_source()} if COMPILED else {"python": sse}
+
+
+@pytest.fixture(scope="module", autouse=True, params=list(IMPLEMENTATIONS))
+def implementation(request: pytest.FixtureRequest) -> object:
+    """Point this module's names at one implementation for the tests that follow."""
+    module = IMPLEMENTATIONS[request.param]
+    names = ("sse", "SSEDecoder", "ServerSentEvent", "SSEDecodeError")
+    saved = {name: globals()[name] for name in names}
+    globals().update(
+        sse=module,
+        SSEDecoder=module.SSEDecoder,  # type: ignore[attr-defined]
+        ServerSentEvent=module.ServerSentEvent,  # type: ignore[attr-defined]
+        SSEDecodeError=module.SSEDecodeError,  # type: ignore[attr-defined]
+    )
+    yield module
+    globals().update(saved)
+
+
+def test_ci_tests_the_compiled_decoder() -> None:
+    # CI builds the package the way a user's pip does; a build that fell back to pure Python
+    # there would leave the compiled decoder untested.
+    if os.environ.get("CI"):
+        assert COMPILED, f"the decoder was not compiled: {sse.__file__}"
+
+
+@pytest.mark.skipif(
+    not (COMPILED and (SOURCE.parent.parent / ".git").exists()),
+    reason="no compiled decoder in a source checkout",
+)
+def test_the_compiled_decoder_is_not_older_than_its_source() -> None:
+    # An editable install imports the extension beside sse.py, even after sse.py changed.
+    assert Path(sse.__file__).stat().st_mtime >= SOURCE.stat().st_mtime, (
+        "asgi_disconnect/sse.py changed after it was compiled: run `pip install -e .` again"
+    )
+
 
 Event = tuple[str, str, str, int | None]
 
@@ -192,6 +250,33 @@ def test_event_sets_the_type_for_one_event() -> None:
 def test_a_block_without_data_resets_the_event_type() -> None:
     events = decode(b"event: lost\n\ndata: 1\n\n")
     assert [(e.event, e.data) for e in events] == [("message", "1")]
+
+
+def test_one_chunk_of_many_blocks_of_every_shape_is_parsed_like_the_reference() -> None:
+    # Blocks of several shapes in one chunk: how the runs hand over must not nest deeper
+    # with the number of blocks.
+    shapes = [
+        b"data: a\n\n",
+        b"event: e\ndata: b\n\n",
+        b": keep-alive\n\n",
+        b"id: 7\ndata: c\n\n",
+        b"\n",
+        b"data: d\ndata: e\n\n",
+    ]
+    body = b"".join(shapes[i % len(shapes)] for i in range(30_000))
+    events, comments, last_id = reference(body)
+    decoder = SSEDecoder()
+    assert as_tuples(decoder.feed(body)) == events
+    assert decoder.comment_count == comments
+    assert decoder.last_event_id == last_id
+
+
+@pytest.mark.parametrize("chunks", [1, 2], ids=["whole", "per block"])
+def test_an_event_name_that_looks_like_a_data_line_is_a_name(chunks: int) -> None:
+    blocks = [b"event: a\ndata: 1\n\n", b"event: data: 2\n\n", b"event: b\ndata: 3\n\n"]
+    body = b"".join(blocks)
+    events = decode(body) if chunks == 1 else decode(*blocks)
+    assert [(e.event, e.data) for e in events] == [("a", "1"), ("b", "3")]
 
 
 def test_unknown_fields_are_ignored() -> None:
