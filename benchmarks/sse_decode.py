@@ -6,10 +6,14 @@ usually deliver a stream). Bodies: the recorded vectors in tests/data concatenat
 repeated to about 5 MB, and a synthetic 1,000-token OpenAI chat stream repeated to the same
 size. Prints the best of --runs runs in MB/s and the ratio of ours to the fastest peer.
 
+Each decoder hands every event to the caller, which drops it, as a metering tee does; with
+--keep every event is kept in one list to the end instead, which adds the cost of growing
+the heap by the whole body (the same for every decoder, so the ratios shrink).
+
 When the installed decoder is compiled (hatch_build.py), ``sse.py`` also runs as plain Python
 beside it, as an install without a C compiler would run it, with its own ratio.
 
-    python -m benchmarks.sse_decode [--runs 5] [--megabytes 5]
+    python -m benchmarks.sse_decode [--runs 5] [--megabytes 5] [--keep]
 
 The peers are benchmark-only dependencies (``pip install httpx-sse openai``); a peer that is
 not installed is reported and skipped.
@@ -24,6 +28,7 @@ import json
 import platform
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
@@ -33,18 +38,16 @@ from asgi_disconnect import sse
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 
-# A decoder under test: chunks in, the decoder's own event objects out.
-Decode = Callable[[list[bytes]], list[Any]]
+# A decoder under test: chunks in, the decoder's own event objects out, one by one.
+Decode = Callable[[list[bytes]], Iterator[Any]]
 
 
 def decoding_with(module: Any) -> Decode:
-    def decode(chunks: list[bytes]) -> list[Any]:
+    def decode(chunks: list[bytes]) -> Iterator[Any]:
         decoder = module.SSEDecoder()
-        events = []
         for chunk in chunks:
-            events += decoder.feed(chunk)
+            yield from decoder.feed(chunk)
         decoder.close()
-        return events
 
     return decode
 
@@ -70,12 +73,11 @@ def load_httpx_sse() -> Decode:
     from httpx_sse._decoders import SSEDecoder as HttpxSSEDecoder
     from httpx_sse._decoders import SSELineDecoder
 
-    def decode(chunks: list[bytes]) -> list[Any]:
+    def decode(chunks: list[bytes]) -> Iterator[Any]:
         # httpx_sse.EventSource.iter_sse(): iter_text() -> SSELineDecoder -> SSEDecoder.decode
         text_decoder = TextDecoder(encoding="utf-8")
         line_decoder = SSELineDecoder()
         decoder = HttpxSSEDecoder()
-        events = []
 
         def lines() -> Iterator[str]:
             for chunk in chunks:
@@ -88,8 +90,7 @@ def load_httpx_sse() -> Decode:
         for line in lines():
             event = decoder.decode(line.rstrip("\n"))
             if event is not None:
-                events.append(event)
-        return events
+                yield event
 
     return decode
 
@@ -97,8 +98,8 @@ def load_httpx_sse() -> Decode:
 def load_openai() -> Decode:
     from openai._streaming import SSEDecoder as OpenAISSEDecoder
 
-    def decode(chunks: list[bytes]) -> list[Any]:
-        return list(OpenAISSEDecoder().iter_bytes(iter(chunks)))
+    def decode(chunks: list[bytes]) -> Iterator[Any]:
+        return OpenAISSEDecoder().iter_bytes(iter(chunks))
 
     return decode
 
@@ -148,12 +149,14 @@ def chunkings(body: bytes) -> dict[str, list[bytes]]:
     }
 
 
-def timed(decode: Decode, chunks: list[bytes]) -> float:
+def timed(decode: Decode, chunks: list[bytes], keep: bool) -> float:
+    # Both sinks consume the events in C, so every decoder pays the same for them.
+    sink: Callable[[Iterator[Any]], object] = list if keep else deque(maxlen=0).extend
     gc.collect()
     gc.disable()
     try:
         start = time.perf_counter()
-        decode(chunks)
+        sink(decode(chunks))
         return time.perf_counter() - start
     finally:
         gc.enable()
@@ -170,6 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--megabytes", type=float, default=5.0)
+    parser.add_argument("--keep", action="store_true", help="keep every event to the end")
     args = parser.parse_args()
     size = int(args.megabytes * 1_000_000)
 
@@ -187,7 +191,8 @@ def main() -> None:
             print(f"{name}: not installed ({exc}); skipped. `pip install {package}` to compare.")
     print(
         f"Python {platform.python_version()} on {platform.machine()}; "
-        f"httpx-sse {version('httpx-sse')}, openai {version('openai')}; best of {args.runs} runs"
+        f"httpx-sse {version('httpx-sse')}, openai {version('openai')}; best of {args.runs} runs; "
+        f"events {'kept to the end' if args.keep else 'dropped once handed over'}"
     )
     print(f"asgi_disconnect.sse: {'compiled by mypyc' if COMPILED else 'plain Python'}")
 
@@ -199,7 +204,7 @@ def main() -> None:
         "synthetic 1,000-token OpenAI": repeat_to(synthetic_openai_stream(), size),
     }
     for body_name, body in bodies.items():
-        events = len(decode_ours([body]))
+        events = len(list(decode_ours([body])))
         print(f"{body_name}: {len(body) / 1e6:.1f} MB, {events:,} events")
     names = list(decoders)
     peer_names = [name for name in names if name not in ours]
@@ -207,14 +212,14 @@ def main() -> None:
     print(header + "".join(f"{name + ' / peer':>22}" for name in ours))
     for body_name, body in bodies.items():
         for chunking, chunks in chunkings(body).items():
-            expected = summary(decode_ours(chunks))
+            expected = summary(list(decode_ours(chunks)))
             for name, decode in decoders.items():
-                if summary(decode(chunks)) != expected:
+                if summary(list(decode(chunks))) != expected:
                     sys.exit(f"{name} decoded {body_name} ({chunking}) differently")
             best = dict.fromkeys(names, float("inf"))
             for _ in range(args.runs):
                 for name in names:
-                    best[name] = min(best[name], timed(decoders[name], chunks))
+                    best[name] = min(best[name], timed(decoders[name], chunks, args.keep))
             speeds = {name: len(body) / best[name] / 1e6 for name in names}
             row = f"{body_name:30} {chunking:10}" + "".join(
                 f"{speeds[name]:>22.1f}" for name in names
