@@ -52,22 +52,24 @@ async def create(request: Request) -> JSONResponse:
     return JSONResponse({"id": "ch_1", "amount": 1000}, status_code=201)
 
 
+async def fresh_charge(mw: Any) -> None:
+    """One POST under a new Idempotency-Key: the claim is always won."""
+    result = await drive(
+        mw,
+        method="POST",
+        path="/charges",
+        body=b'{"amount":1000}',
+        headers=[("authorization", "Bearer bench"), ("idempotency-key", secrets.token_hex(12))],
+    )
+    assert result.status == 201, result.body
+
+
 async def through_middleware(mw: Any, n: int, concurrency: int) -> float:
     semaphore = asyncio.Semaphore(concurrency)
 
     async def one() -> None:
         async with semaphore:
-            result = await drive(
-                mw,
-                method="POST",
-                path="/charges",
-                body=b'{"amount":1000}',
-                headers=[
-                    ("authorization", "Bearer bench"),
-                    ("idempotency-key", secrets.token_hex(12)),
-                ],
-            )
-            assert result.status == 201, result.body
+            await fresh_charge(mw)
 
     started = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(n)))
@@ -130,16 +132,7 @@ async def main() -> None:
         before_app, total = [], []
         for _ in range(100):
             start = queries
-            await drive(
-                mw,
-                method="POST",
-                path="/charges",
-                body=b"{}",
-                headers=[
-                    ("authorization", "Bearer bench"),
-                    ("idempotency-key", secrets.token_hex(12)),
-                ],
-            )
+            await fresh_charge(mw)
             before_app.append(at_app_start[-1] - start)
             total.append(queries - start)
         rates: dict[str, list[float]] = {"middleware": [], "raw asyncpg": []}
