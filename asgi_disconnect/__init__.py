@@ -5,14 +5,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._backends import Backend, BackendUnavailable, DurableBackend, MemoryBackend, connect
-from ._claims import Claim, ClaimState, ClaimStore, StoredResponse, once
-from ._disconnect import DisconnectMiddleware, default_principal
+from ._backends import BackendUnavailable, DurableBackend, MemoryBackend, connect
+from ._claims import once
+from ._contract import (
+    Backend,
+    ClaimStore,
+    Ending,
+    RequestState,
+    Reservations,
+    UsageSink,
+    default_principal,
+)
+from ._disconnect import DisconnectMiddleware
 from ._idempotency import IdempotencyKeyRequired, IdempotencyMiddleware, idempotent
-from ._log import GenerationInfo, Status
-from ._metering import MeteringMiddleware, Reservations, UsageRecord, UsageSink, estimate_tokens
+from ._metering import MeteringMiddleware, estimate_tokens
 from ._policy import Policy, disconnect_policy
-from ._state import RequestState
+from ._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -28,6 +36,7 @@ __all__ = [
     "ClaimStore",
     "DisconnectMiddleware",
     "DurableBackend",
+    "Ending",
     "GenerationInfo",
     "IdempotencyKeyRequired",
     "IdempotencyMiddleware",
@@ -71,6 +80,12 @@ def install(
     record is also written to the backend's usage table. ``idempotency`` (True, or the
     options of :class:`IdempotencyMiddleware`) adds it outside the others, on the same backend.
     """
+    for entry in getattr(app, "user_middleware", ()):
+        if getattr(entry, "cls", None) in (DisconnectMiddleware, MeteringMiddleware):
+            raise RuntimeError(
+                "install() was already called on this app (or one of its middlewares was "
+                "added by hand); add the stack once"
+            )
     backend = options.get("backend")
     if idempotency and backend is None:
         backend = options["backend"] = MemoryBackend()
@@ -86,4 +101,7 @@ def install(
     app.add_middleware(DisconnectMiddleware, **options)
     if idempotency:
         settings = dict(idempotency) if isinstance(idempotency, Mapping) else {}
+        if "principal" in options:
+            # One caller identity for claims and generations alike.
+            settings.setdefault("principal", options["principal"])
         app.add_middleware(IdempotencyMiddleware, backend=options["backend"], **settings)

@@ -1,65 +1,87 @@
-"""DisconnectMiddleware: run the app decoupled from the client; cancel or detach on disconnect."""
+"""DisconnectMiddleware: run the app decoupled from the client; cancel or detach on disconnect.
+
+The flow of one request (see docs/architecture.md)::
+
+    receive ──> watcher ──> inbox ──> app_receive        (one reader of the client)
+    app ──> app_send ──> generation log ──> ClientWriter ──> server send
+                          └──> backend (durable copy), resume readers, metering
+
+The app's ``send`` appends to the log and returns; it never waits on the client. How the
+app ended maps to the generation's status, the exchange's :class:`Ending` and the counters
+in one place, :meth:`_Exchange.app_ended`, whichever task ran the app.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import os
-from base64 import urlsafe_b64encode
+import re
+import types
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ._aio import join, shielded
-from ._backends import Backend, MemoryBackend
-from ._log import Generation, Status
+from ._aio import Resume, as_coroutine, join, shielded, step_as, wait_bounded
+from ._backends import MemoryBackend
+from ._contract import (
+    SCOPE_KEY,
+    Ending,
+    RequestState,
+    current_state,
+    default_principal,
+    new_generation_id,
+)
+from ._lifecycle import lifecycle_of
+from ._log import Generation
 from ._policy import Policy, PolicySource, check_source, resolve_policy, route_policy
+from ._problem import send_problem
+from ._records import Status
 from ._resume import ResumeEndpoints, error_frame, is_event_stream
-from ._state import Counters, RequestState, current_state
 from ._supervisor import Supervisor
+from ._writer import ClientWriter, Delivery
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Generator
+    from collections.abc import Callable, Sequence
 
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["DisconnectMiddleware", "default_principal"]
+    from ._contract import Backend
+    from ._lifecycle import Lifecycle
+
+__all__ = ["Counters", "DisconnectMiddleware"]
 
 logger = logging.getLogger("asgi_disconnect")
 
 _DISCONNECT: Message = {"type": "http.disconnect"}
+_COROUTINE = types.CoroutineType
 _GENERATION_HEADER = b"x-generation-id"
 _DIRECT_SEND_LIMIT = 1 << 16
 _ROUTE_MEMO_SIZE = 4096
+# How long a request cancelled by the server waits for its app to run its finally blocks.
+_TEARDOWN_TIMEOUT = 5.0
 
 
-def default_principal(scope: Scope) -> str:
-    """A digest of the caller's ``Authorization`` or ``x-api-key`` header; ``""`` if none."""
-    for name, value in scope["headers"]:
-        if name == b"authorization" or name == b"x-api-key":
-            return hashlib.sha256(value).hexdigest()[:32]
-    return ""
+class Counters:
+    """In-process counts of disconnect decisions."""
 
-
-class _IdSource:
-    """Random ids from the OS CSPRNG, read and encoded 256 at a time (18 bytes = 24 chars)."""
-
-    __slots__ = ("_ids",)
-
-    _BATCH = 256
+    __slots__ = (
+        "cancelled",
+        "detach_completed",
+        "detached",
+        "disconnects",
+        "interrupted",
+        "policy_errors",
+    )
 
     def __init__(self) -> None:
-        self._ids: list[str] = []
+        self.disconnects = 0
+        self.cancelled = 0
+        self.detached = 0
+        self.detach_completed = 0
+        self.interrupted = 0
+        self.policy_errors = 0
 
-    def __call__(self) -> str:
-        ids = self._ids
-        if not ids:
-            encoded = urlsafe_b64encode(os.urandom(18 * self._BATCH)).decode()
-            ids += ["gen_" + encoded[start : start + 24] for start in range(0, len(encoded), 24)]
-        return ids.pop()
-
-
-_new_generation_id = _IdSource()
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 class DisconnectMiddleware:
@@ -71,6 +93,9 @@ class DisconnectMiddleware:
     or falls more than ``max_lag_bytes`` / ``max_lag_seconds`` behind, the route's
     policy applies: ``cancel`` cancels the app and closes tracked upstream responses;
     ``detach`` lets it finish, its output readable under ``resume_prefix``.
+
+    ``exclude_paths``: regular expressions of paths the middleware leaves alone (static
+    files, health checks): no generation, no ``x-generation-id``, no policy.
     """
 
     def __init__(
@@ -81,6 +106,7 @@ class DisconnectMiddleware:
         policy: PolicySource = Policy.CANCEL,
         principal: Callable[[Scope], str | None] | None = None,
         resume_prefix: str | None = "/generations",
+        exclude_paths: Sequence[str] = (),
         max_lag_bytes: int = 4 << 20,
         max_lag_seconds: float = 30.0,
         shutdown_timeout: float = 30.0,
@@ -106,48 +132,90 @@ class DisconnectMiddleware:
         self.policy = check_source(policy)
         self.principal = principal or default_principal
         self.resume_prefix = resume_prefix
+        self.exclude = (
+            re.compile("|".join(f"(?:{p})" for p in exclude_paths)) if exclude_paths else None
+        )
         self.max_lag_bytes = max_lag_bytes
         self.max_lag_seconds = max_lag_seconds
         self.shutdown_timeout = shutdown_timeout
         self.counters = Counters()
         self.supervisor = Supervisor()
+        self.lifecycle: Lifecycle | None = None
         self._resume = ResumeEndpoints(backend, self.principal)
         self._warned_no_lifespan = False
+        self._loop_checked = False
         # (method, path) -> whether that route can only cancel, learned after routing.
         self._cancel_only: dict[tuple[str, str], bool] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope_type = scope["type"]
         if scope_type == "http":
+            path = scope["path"]
             prefix = self.resume_prefix
-            if prefix is not None and scope["path"].startswith(prefix):
-                rest = scope["path"][len(prefix) :]
-                if rest.startswith("/"):
+            if prefix is not None and path.startswith(prefix):
+                rest = path[len(prefix) :]
+                if self._resume.handles(rest):
                     await self._resume(scope, receive, send, rest)
                     return
-            exchange = _Exchange(self, scope, receive, send)
-            if self._cancel_only.get((scope["method"], scope["path"]), False):
+            exclude = self.exclude
+            if exclude is not None and exclude.match(path):
+                await self.app(scope, receive, send)
+                return
+            if not self._loop_checked:
+                _check_asyncio()
+                self._loop_checked = True
+            state = scope.get(SCOPE_KEY)
+            if state is None:
+                state = scope[SCOPE_KEY] = RequestState(
+                    new_generation_id(), self.principal(scope) or ""
+                )
+            elif state.handled:
+                raise RuntimeError(_TWICE)
+            state.handled = True
+            if self.supervisor.stopping:
+                await send_problem(
+                    send,
+                    503,
+                    "shutting-down",
+                    "Service Unavailable",
+                    "This server is shutting down; retry on another.",
+                    headers=[(b"retry-after", b"1"), (b"connection", b"close")],
+                )
+                return
+            exchange = _Exchange(self, scope, receive, send, state)
+            if self._cancel_only.get((scope["method"], path), False):
                 await exchange.run_inline()
             else:
                 await exchange.run_supervised()
         elif scope_type == "lifespan":
-            await self._lifespan(scope, receive, send)
+            lifecycle, owner = lifecycle_of(scope)
+            self.lifecycle = lifecycle
+            lifecycle.register(
+                "DisconnectMiddleware",
+                unique=True,
+                startup=self._startup,
+                stop_admitting=self._stop_admitting,
+                finish=self._finish_generations,
+                close=self.backend.aclose,
+            )
+            if owner:
+                await lifecycle.serve(self.app, scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
         else:
             await self.app(scope, receive, send)
 
-    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def lifespan_receive() -> Message:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await self.backend.open()
-                self.supervisor.start()
-            elif message["type"] == "lifespan.shutdown":
-                # Drain first, so the app's own resources (upstream clients) are still open.
-                await self.supervisor.drain(self.shutdown_timeout)
-                await self.backend.aclose()
-            return message
+    async def _startup(self) -> None:
+        _check_asyncio()
+        await self.backend.open()
+        self.supervisor.start()
 
-        await self.app(scope, lifespan_receive, send)
+    def _stop_admitting(self) -> None:
+        self.supervisor.stopping = True
+
+    async def _finish_generations(self) -> None:
+        # Before the app's own shutdown, so its resources (upstream clients) are still open.
+        await self.supervisor.drain(self.shutdown_timeout)
 
     def learn_route(self, scope: Scope) -> None:
         """Remember whether this route can only cancel, so later requests run it inline."""
@@ -162,8 +230,19 @@ class DisconnectMiddleware:
         ) is Policy.CANCEL
 
     def resolve(self, scope: Scope) -> Policy:
+        """The route's policy for this request; one that cannot be resolved is cancel."""
         source = route_policy(scope)
-        return resolve_policy(self.policy if source is None else source, scope)
+        try:
+            return resolve_policy(self.policy if source is None else source, scope)
+        except Exception:
+            self.counters.policy_errors += 1
+            logger.error(
+                "the disconnect policy of %s %s could not be resolved; cancelling instead",
+                scope.get("method"),
+                scope.get("path"),
+                exc_info=True,
+            )
+            return Policy.CANCEL
 
     def owns_detached(self) -> bool:
         if self.supervisor.started:
@@ -177,6 +256,24 @@ class DisconnectMiddleware:
         return False
 
 
+_TWICE = (
+    "DisconnectMiddleware is installed twice on this app; each response would carry two "
+    "generation ids. Add it once (install() adds it for you)."
+)
+
+
+def _check_asyncio() -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        import sniffio
+
+        raise RuntimeError(
+            "asgi_disconnect runs on asyncio only, and this server or test client runs "
+            f"{sniffio.current_async_library()}; use anyio's asyncio backend"
+        ) from None
+
+
 class _Exchange:
     """One HTTP request: the receive reader, the app task and the client writer."""
 
@@ -187,32 +284,136 @@ class _Exchange:
     taken_waiter: asyncio.Future[None] | None = None
     request_task: asyncio.Task[Any] | None = None
     app_task: asyncio.Task[None] | None = None
-    writer: asyncio.Task[None] | None = None
-    lag_timer: asyncio.TimerHandle | None = None
+    writer: ClientWriter | None = None
     app_error: BaseException | None = None
     generation: Generation | None = None
+    # Where the response stands while no writer exists (a response sent in one piece).
+    delivery = Delivery.OPEN
     client_gone = False
-    response_complete = False
-    final_sending = False
-    end_response = True
-    send_started = 0.0
-    sent_index = 0
+    body_ended = False
+    expect_trailers = False
+    # How the app ended: None while it runs, else "returned", "failed", "cancelled" or
+    # "interrupted"; written once, by app_ended.
+    app_outcome: str | None = None
     watching = False
     woken = False
     wake_reason: str | None = None
     watcher: asyncio.Task[Any] | None = None
     cancelled_by_policy = False
-    # True while a body chunk can go straight to the server: the response started, is
-    # running, everything before was sent and no writer task is busy.
-    direct = False
 
-    def __init__(self, mw: DisconnectMiddleware, scope: Scope, receive: Receive, send: Send):
+    def __init__(
+        self,
+        mw: DisconnectMiddleware,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        state: RequestState,
+    ) -> None:
         self.mw = mw
         self.scope = scope
         self.receive = receive
         self.send = send
-        self.state = state = RequestState(_new_generation_id())
-        scope["asgi_disconnect"] = state
+        self.state = state
+
+    # -- how it ended: one mapping for every path -------------------------------------
+
+    def app_ended(self, failure: BaseException | None) -> None:
+        """Record how the app ended: the generation's status, then maybe the exchange's end."""
+        generation = self.generation
+        if failure is None:
+            self.app_outcome = "returned"
+            if generation is not None and generation.running:
+                self._record_end(Status.FAILED, "the app returned before its response was complete")
+        elif isinstance(failure, asyncio.CancelledError):
+            if self.cancelled_by_policy:
+                self.app_outcome = "cancelled"
+                self._record_end(Status.CANCELLED, "cancelled after the client disconnected")
+            else:
+                self.app_outcome = "interrupted"
+                if generation is not None and generation.running:
+                    self.mw.counters.interrupted += 1
+                self._record_end(Status.INTERRUPTED, "interrupted before it finished")
+        else:
+            self.app_outcome = "failed"
+            self._failed(failure)
+        writer = self.writer
+        if writer is not None:
+            writer.direct = False
+            writer.closing = True
+            writer.wake()
+
+    def _ending(self) -> Ending:
+        outcome = self.app_outcome
+        if outcome == "cancelled":
+            return Ending.CANCELLED
+        if outcome == "interrupted":
+            return Ending.INTERRUPTED
+        writer = self.writer
+        if outcome == "failed" or (writer is not None and writer.error is not None):
+            return Ending.FAILED
+        generation = self.generation
+        if generation is not None and generation.status is Status.FAILED:
+            return Ending.FAILED
+        delivery = writer.delivery if writer is not None else self.delivery
+        if delivery is Delivery.DONE:
+            return Ending.DELIVERED
+        return Ending.CUT
+
+    def _finish(self) -> None:
+        """The exchange is over: the app ended and nothing more is delivered."""
+        state = self.state
+        if state.finished:
+            return
+        if (
+            self.delivery is Delivery.DONE
+            and self.writer is None
+            and self.app_outcome == "returned"
+            and not state.detached
+        ):
+            state.finish(Ending.DELIVERED)  # a response sent in one piece
+            return
+        generation = self.generation
+        if state.detached and generation is not None and generation.status is Status.COMPLETE:
+            self.mw.counters.detach_completed += 1
+        state.finish(self._ending())
+
+    def _record_end(self, status: Status, error: str) -> None:
+        generation = self.generation
+        if generation is None or not generation.running:
+            return
+        if status is Status.FAILED and is_event_stream(generation.content_type):
+            generation.append(error_frame(generation.id, "incomplete_response", error))
+            generation.finish(status, error)
+            self._deliver_rest()
+            return
+        generation.finish(status, error)
+        if self.writer is not None:
+            # Not finished as a stream is: leave the response open, so the server aborts it.
+            self.writer.end_response = False
+
+    def _failed(self, exc: BaseException) -> None:
+        generation = self.generation
+        if generation is None or not generation.running:
+            return
+        code = getattr(exc, "error_type", "stream_error")
+        if is_event_stream(generation.content_type):
+            generation.append(
+                error_frame(generation.id, str(code), "The stream failed after it started.")
+            )
+        elif self.writer is not None:
+            # Not a stream: leave the response unfinished, so the server aborts it.
+            self.writer.end_response = False
+        generation.finish(Status.FAILED, f"{type(exc).__name__}: {exc}"[:500])
+        if not is_event_stream(generation.content_type):
+            return
+        self._deliver_rest()
+
+    def _deliver_rest(self) -> None:
+        """Hand the end of a generation (an error frame, the final body) to the client."""
+        if self.client_gone or self.generation is None:
+            return
+        writer = self.writer or self._open_writer()
+        writer.pump()
 
     # -- inline: a route that can only cancel runs in the request's own task -----------
 
@@ -220,8 +421,9 @@ class _Exchange:
         state = self.state
         current_state.set(state)
         app: Any = self.mw.app(self.scope, self.app_receive, self.app_send)
-        if getattr(app, "send", None) is None:  # an awaitable that is not a coroutine
-            app = _awaited(app)
+        if type(app) is not _COROUTINE:  # an awaitable that is not a coroutine
+            app = as_coroutine(app)
+        failure: BaseException | None = None
         try:
             try:
                 waiting_on = app.send(None)
@@ -232,68 +434,93 @@ class _Exchange:
                 # never waits needs no watcher.
                 self.request_task = asyncio.current_task()
                 self._start_watcher()
-                await _Resume(app, waiting_on)
-            generation = self.generation
-            if generation is not None and generation.running:
-                self._record_end(Status.FAILED, "the app returned before its response was complete")
-            if self.writer is not None:
-                await join(self.writer)
-        except asyncio.CancelledError:
+                await Resume(app, waiting_on)
+        except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             assert task is not None
             if not self.cancelled_by_policy or task.uncancel() > 0:
-                self._record_end(Status.INTERRUPTED, "interrupted before it finished")
+                self.cancelled_by_policy = False
+                failure = exc
+                self.app_ended(exc)
                 raise
-            self._record_end(Status.CANCELLED, "cancelled after the client disconnected")
+            failure = exc
+            self.app_ended(exc)
         except BaseException as exc:
-            self._failed(exc)
-            if self.writer is not None:
-                await join(self.writer)
+            failure = exc
+            self.app_ended(exc)
             raise
+        else:
+            generation = self.generation
+            if self.writer is None and (generation is None or not generation.running):
+                self.app_outcome = "returned"
+            else:
+                self.app_ended(None)
         finally:
-            watcher = self.watcher
-            if watcher is not None and not watcher.done() and not state.detached:
-                watcher.cancel()
-            if state.detached:
-                self._count_detach_completed()
-            state.finish()
+            try:
+                if self.writer is not None:
+                    await self._join_writer()
+            finally:
+                watcher = self.watcher
+                if watcher is not None and not watcher.done() and not state.detached:
+                    watcher.cancel()
+                self._finish()
+        writer = self.writer
+        if writer is not None and writer.error is not None and failure is None:
+            raise writer.error
 
     def _start_watcher(self) -> None:
-        if self.watcher is None and not self.response_complete:
+        if self.watcher is None and not self._delivered():
             self.watcher = asyncio.get_running_loop().create_task(self._watch_inline())
 
     async def _watch_inline(self) -> None:
         reason = await self._watch()
-        if reason == "client" or reason == "lag":
+        if reason in ("client", "lag", "error"):
             await self._client_lost(reason)
 
     # -- supervised: the app runs in the supervisor's task, the request task watches ---
 
     async def run_supervised(self) -> None:
+        mw = self.mw
         self.request_task = self.watcher = asyncio.current_task()
-        app_task = self.app_task = self.mw.supervisor.spawn(self.run_app())
+        app_task = self.app_task = mw.supervisor.spawn(self.run_app())
         app_task.add_done_callback(self._part_done)
         try:
             reason = await self._watch()
         except asyncio.CancelledError:
-            # The server cancelled the request: the work is the request's, not detached.
-            if not self.state.detached:
-                app_task.cancel()
+            # The server cancelled the request (shutdown, a disconnect under hypercorn, an
+            # outer timeout): for this response the client is gone.
+            await self._request_cancelled()
             raise
         finally:
-            self.mw.learn_route(self.scope)
+            mw.learn_route(self.scope)
         if reason == "complete":
-            if self.writer is not None:
-                await join(self.writer)
+            await self._join_writer()
             await join(app_task)
         elif reason != "done":
             await self._client_lost(reason)
             if not app_task.done():
                 return
-        error = self.app_error
+        error = self.app_error or self._send_error()
         if error is not None and not self.state.detached:
             self.app_error = None
             raise error
+
+    async def _request_cancelled(self) -> None:
+        app_task = self.app_task
+        assert app_task is not None
+        self.client_gone = True
+        writer = self.writer
+        if writer is not None:
+            writer.lost("client")
+        if app_task.done() or self.state.detached:
+            return
+        policy = self.mw.resolve(self.scope) if self.app_outcome is None else Policy.CANCEL
+        if policy is Policy.DETACH and self.mw.owns_detached() and not self.mw.supervisor.stopping:
+            self._detach(policy)
+            return
+        # Not detached: stop the app and let its finally blocks run before we return.
+        app_task.cancel()
+        await wait_bounded(app_task, _TEARDOWN_TIMEOUT)
 
     async def _watch(self) -> str:
         receive = self.receive
@@ -317,7 +544,9 @@ class _Exchange:
                         self.taken_waiter = asyncio.get_running_loop().create_future()
                         await self.taken_waiter
                 elif kind == "http.disconnect":
-                    if self.response_complete or self.final_sending:
+                    writer = self.writer
+                    delivery = writer.delivery if writer is not None else self.delivery
+                    if delivery is Delivery.FINAL or delivery is Delivery.DONE:
                         return "complete"
                     return "client"
         except asyncio.CancelledError:
@@ -343,48 +572,83 @@ class _Exchange:
     def _part_done(self, _: asyncio.Task[Any]) -> None:
         app_task = self.app_task
         writer = self.writer
-        if app_task is not None and app_task.done() and (writer is None or writer.done()):
-            self._wake("complete" if self.response_complete else "done")
-            self.state.finish()
+        if app_task is not None and app_task.done() and (writer is None or writer.task.done()):
+            self._wake("complete" if self._delivered() else "done")
+            self._finish()
+
+    def _delivered(self) -> bool:
+        writer = self.writer
+        return (writer.delivery if writer is not None else self.delivery) is Delivery.DONE
+
+    async def _join_writer(self) -> None:
+        """Wait for the writer to hand over the rest, within the lag deadline."""
+        writer = self.writer
+        if writer is None or writer.task.done():
+            return
+        if not await wait_bounded(writer.task, self.mw.max_lag_seconds):
+            logger.warning(
+                "the server's send for generation %s did not return after cancellation",
+                self.state.generation_id,
+            )
+        if writer.delivery is not Delivery.DONE and writer.delivery is not Delivery.GONE:
+            writer.delivery = Delivery.GONE
+
+    def _send_error(self) -> BaseException | None:
+        writer = self.writer
+        return writer.error if writer is not None else None
 
     async def _client_lost(self, reason: str) -> None:
         mw = self.mw
         state = self.state
         self.client_gone = True
-        self.direct = False
-        state.disconnect_reason = reason
-        state.disconnected.set()
-        mw.counters.disconnects += 1
-        self._stop_writer()
+        writer = self.writer
+        if writer is not None:
+            writer.lost(reason)
+        elif self.delivery is not Delivery.DONE:
+            self.delivery = Delivery.GONE
         runner = self.app_task or self.request_task
         assert runner is not None
-        if runner.done() or self.response_complete:
+        if reason != "error":
+            state.disconnect_reason = reason
+            state.disconnected.set()
+            mw.counters.disconnects += 1
+        if runner.done() or self._delivered():
             return
-        policy = state.policy = mw.resolve(self.scope)
+        # A server that refused a send broke the response: the work stops as under cancel.
+        policy = Policy.CANCEL if reason == "error" else mw.resolve(self.scope)
+        if policy is Policy.DETACH:
+            self._detach(policy)
+            if runner is not self.app_task:
+                # Predicted cancel-only, yet it detached: it stays tied to this request.
+                mw._cancel_only[(self.scope["method"], self.scope["path"])] = False
+            elif not mw.owns_detached():
+                await join(runner)
+            return
+        state.policy = policy
         generation = self.generation
         if generation is not None:
             generation.policy = policy.value
-        if policy is Policy.CANCEL:
+        if reason != "error":
             mw.counters.cancelled += 1
-            self.cancelled_by_policy = True
-            runner.cancel()
-            waiter = self.inbox_waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
-            if state.upstreams:
-                await shielded(state.close_upstreams())
-            if runner is self.app_task:
-                await join(runner)
-            return
-        mw.counters.detached += 1
+        self.cancelled_by_policy = True
+        runner.cancel()
+        waiter = self.inbox_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if state.upstreams:
+            await shielded(state.close_upstreams())
+        if runner is self.app_task:
+            await wait_bounded(runner, _TEARDOWN_TIMEOUT)
+
+    def _detach(self, policy: Policy) -> None:
+        state = self.state
+        state.policy = policy
         state.detached = True
+        self.mw.counters.detached += 1
+        generation = self.generation
         if generation is not None:
+            generation.policy = policy.value
             generation.detached = True
-        if runner is not self.app_task:
-            # Predicted cancel-only, yet it detached: it stays tied to this request.
-            mw._cancel_only[(self.scope["method"], self.scope["path"])] = False
-        elif not mw.owns_detached():
-            await join(runner)
 
     # -- the app task ---------------------------------------------------------------
 
@@ -392,16 +656,11 @@ class _Exchange:
         current_state.set(self.state)
         try:
             await self.mw.app(self.scope, self.app_receive, self.app_send)
-        except asyncio.CancelledError:
-            self._record_end(
-                Status.CANCELLED if self.state.policy is Policy.CANCEL else Status.INTERRUPTED,
-                "cancelled after the client disconnected"
-                if self.state.policy is Policy.CANCEL
-                else "interrupted before it finished",
-            )
+        except asyncio.CancelledError as exc:
+            self.app_ended(exc)
             raise
         except BaseException as exc:
-            self._failed(exc)
+            self.app_ended(exc)
             if self.state.detached:
                 logger.error(
                     "detached generation %s failed", self.state.generation_id, exc_info=exc
@@ -409,41 +668,7 @@ class _Exchange:
             else:
                 self.app_error = exc
         else:
-            generation = self.generation
-            if generation is not None and generation.running:
-                self._record_end(Status.FAILED, "the app returned before its response was complete")
-        finally:
-            self._count_detach_completed()
-
-    def _count_detach_completed(self) -> None:
-        generation = self.generation
-        if self.state.detached and generation is not None and generation.status is Status.COMPLETE:
-            self.mw.counters.detach_completed += 1
-
-    def _record_end(self, status: Status, error: str) -> None:
-        self.direct = False
-        generation = self.generation
-        if generation is None or not generation.running:
-            return
-        if status is Status.FAILED and is_event_stream(generation.content_type):
-            generation.append(error_frame(generation.id, "incomplete_response", error))
-        generation.finish(status, error)
-
-    def _failed(self, exc: BaseException) -> None:
-        self.direct = False
-        generation = self.generation
-        if generation is None or not generation.running:
-            return
-        code = getattr(exc, "error_type", "stream_error")
-        if is_event_stream(generation.content_type):
-            generation.append(
-                error_frame(generation.id, str(code), "The stream failed after it started.")
-            )
-        else:
-            self.end_response = False
-        generation.finish(Status.FAILED, f"{type(exc).__name__}: {exc}"[:500])
-        if not self.client_gone and self.writer is None and self.generation is not None:
-            self._pump()
+            self.app_ended(None)
 
     async def app_receive(self) -> Message:
         while True:
@@ -456,7 +681,7 @@ class _Exchange:
                     if not waiter.done():
                         waiter.set_result(None)
                 return message
-            if self.response_complete or (self.client_gone and not self.state.detached):
+            if self._delivered() or (self.client_gone and not self.state.detached):
                 return _DISCONNECT
             if self.watcher is None:
                 self._start_watcher()
@@ -466,63 +691,111 @@ class _Exchange:
 
     async def app_send(self, message: Message) -> None:
         kind = message["type"]
-        if kind != "http.response.body":
-            if kind == "http.response.start":
-                message = self._start(message)
-            if not self.client_gone:
+        if kind == "http.response.body":
+            body = message.get("body", b"")
+            more_body = message.get("more_body", False)
+            writer = self.writer
+            if writer is not None and writer.direct and more_body and body:
+                # The hot path, one chunk of a stream whose client keeps up: append it to
+                # the log and hand the app's own message to the server as the writer.
+                # Generation.append, inlined: a direct exchange's generation is running.
+                live: Generation = self.generation  # type: ignore[assignment]
+                live.size += len(body)
+                chunks = live.chunks
+                chunks.append(body)
+                if live.waiters:
+                    live.wake()
+                # ClientWriter.hand_chunk, inlined: the send is stepped as the writer.
+                sending: Any = self.send(message)
+                if type(sending) is not _COROUTINE:
+                    sending = as_coroutine(sending)
                 try:
-                    await self.send(message)
+                    waiting_on = step_as(writer.task, writer.context, sending, writer.loop)
+                except StopIteration:
+                    writer.sent_index = len(chunks)
+                    self.state.delivered_bytes += len(body)
                 except OSError:
-                    self._client_went_away()
+                    writer.lost("client")
                 else:
-                    # The client may have gone while the server took the start.
-                    self.direct = kind == "http.response.start" and not self.client_gone
-            return
-        body = message.get("body", b"")
-        more_body = message.get("more_body", False)
-        if self.direct and more_body and body:
-            # The hot path, one chunk of a stream whose client keeps up: append it to the
-            # log and hand the app's own message to the server from this task, as long as
-            # the server takes it without waiting.
-            # Generation.append, inlined: a direct exchange's generation is running.
-            live: Generation = self.generation  # type: ignore[assignment]
-            live.size += len(body)
-            live.chunks.append(body)
-            if live.waiters:
-                live.wake()
-            sending: Any = self.send(message)
+                    writer.wait_for(sending, waiting_on, message, len(body), len(chunks))
+                return
+            generation = self.generation
+            if generation is None:
+                raise RuntimeError(
+                    "ASGI message 'http.response.body' sent before 'http.response.start'"
+                )
+            if body:
+                generation.append(body)
+            if not more_body:
+                if not generation.finish(Status.COMPLETE):
+                    raise RuntimeError(
+                        "ASGI message 'http.response.body' sent after the response ended"
+                    )
+                self.body_ended = True
+            if self.client_gone:
+                return
+            if writer is not None:
+                if writer.direct:
+                    writer.pump()
+                elif generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
+                    writer.lost("lag")
+            elif more_body:
+                if body:
+                    self._open_writer().pump()
+            elif len(generation.chunks) > 1 or self.expect_trailers:
+                self._open_writer().pump()
+            else:
+                await self._send_whole(message, len(body))
+        elif kind == "http.response.start":
+            message = self._start(message)
+            if self.client_gone:
+                return
             try:
-                waiting_on = sending.send(None)
-            except StopIteration:
-                self.sent_index += 1
-                self.state.delivered_bytes += len(body)
+                await self.send(message)
             except OSError:
                 self._client_went_away()
-            else:
-                self._start_writer(sending, waiting_on, (message, len(body), self.sent_index + 1))
-            return
+        else:
+            await self._other(kind, message)
+
+    async def _other(self, kind: str, message: Message) -> None:
+        """Every other message keeps its place behind what was produced before it."""
         generation = self.generation
         if generation is None:
-            raise RuntimeError(
-                "ASGI message 'http.response.body' sent before 'http.response.start'"
-            )
-        if body:
-            generation.append(body)
-        if not more_body:
-            self.direct = False
-            if not generation.finish(Status.COMPLETE):
-                raise RuntimeError(
-                    "ASGI message 'http.response.body' sent after the response ended"
-                )
-        if self.client_gone or (more_body and not body):
+            # Nothing of the response is held yet (early hints, say): straight through.
+            if not self.client_gone:
+                await self.send(message)
             return
-        if self.writer is not None:
-            if generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
-                self._wake("lag")
-        elif more_body or self.sent_index or len(generation.chunks) > 1:
-            self._pump()
-        else:
-            await self._send_whole(message, len(body))
+        if kind == "http.response.pathsend":
+            # The file is the body, sent by the server; the log keeps none of it.
+            if not generation.finish(Status.COMPLETE):
+                raise RuntimeError("ASGI message 'http.response.pathsend' after the response ended")
+            self.body_ended = True
+        if self.client_gone:
+            return
+        writer = self.writer or self._open_writer()
+        if kind == "http.response.pathsend":
+            writer.end_response = False
+        writer.queue(message, after_end=self.body_ended and kind != "http.response.pathsend")
+        if writer.direct:
+            writer.pump()
+
+    def _open_writer(self) -> ClientWriter:
+        generation = self.generation
+        assert generation is not None
+        writer = self.writer = ClientWriter(
+            self.send,
+            generation,
+            self.state,
+            max_lag_seconds=self.mw.max_lag_seconds,
+            expect_trailers=self.expect_trailers,
+            on_lost=self._writer_lost,
+            on_done=self._part_done,
+        )
+        return writer
+
+    def _writer_lost(self, reason: str) -> None:
+        self.client_gone = True
+        self._wake(reason)
 
     def _start(self, message: Message) -> Message:
         """Open the generation; return the start message with ``x-generation-id`` added."""
@@ -532,7 +805,7 @@ class _Exchange:
         state = self.state
         generation = Generation(
             state.generation_id,
-            principal=self.mw.principal(self.scope) or "",
+            principal=state.principal,
             status_code=message["status"],
             headers=headers,
         )
@@ -541,6 +814,11 @@ class _Exchange:
             generation.detached = state.detached
         self.generation = state.generation = generation
         self.mw.backend.register(generation)
+        self.expect_trailers = bool(message.get("trailers", False))
+        for name, _ in headers:
+            if name.lower() == _GENERATION_HEADER:
+                # The app names its responses itself: keep its header, add none.
+                return message
         headers = list(headers)
         headers.append((_GENERATION_HEADER, state.generation_id.encode()))
         return {**message, "headers": headers}
@@ -548,13 +826,14 @@ class _Exchange:
     def _client_went_away(self) -> None:
         # Servers at ASGI spec 2.4+ raise OSError on send when the client is gone.
         self.client_gone = True
-        self.direct = False
+        if self.delivery is not Delivery.DONE:
+            self.delivery = Delivery.GONE
         self._wake("client")
 
     async def _send_whole(self, message: Message, size: int) -> None:
         """Send the whole response, one message, as the app gave it. A large one is sent
         under the lag deadline, so a client that stops reading cannot hold it."""
-        self.final_sending = True
+        self.delivery = Delivery.FINAL
         try:
             if size <= _DIRECT_SEND_LIMIT:
                 await self.send(message)
@@ -565,157 +844,10 @@ class _Exchange:
             self._client_went_away()
             return
         except TimeoutError:
-            self.final_sending = False
+            self.delivery = Delivery.GONE
+            self.client_gone = True
             self._wake("lag")
             return
         self.state.delivered_bytes += size
-        self.response_complete = True
-
-    # -- the client writer ----------------------------------------------------------
-
-    def _stop_writer(self) -> None:
-        writer = self.writer
-        if writer is not None and not writer.done():
-            writer.cancel()
-        if self.lag_timer is not None:
-            self.lag_timer.cancel()
-            self.lag_timer = None
-
-    def _check_lag(self) -> None:
-        if self.writer is None or self.writer.done():
-            self.lag_timer = None
-            return
-        limit = self.mw.max_lag_seconds
-        loop = asyncio.get_running_loop()
-        if self.send_started and loop.time() - self.send_started > limit:
-            self.lag_timer = None
-            self._wake("lag")
-            return
-        self.lag_timer = loop.call_later(limit / 2, self._check_lag)
-
-    def _next_message(self) -> tuple[Message, int, int] | None:
-        """The chunks produced and not yet handed to the server, as one message."""
-        generation = self.generation
-        assert generation is not None
-        count = len(generation.chunks)
-        ended = not generation.running
-        if self.sent_index < count:
-            chunks = generation.chunks_from(self.sent_index)
-            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        elif ended and not self.response_complete:
-            body = b""
-        else:
-            return None
-        final = ended and self.end_response
-        if ended and not final and not body:
-            return None
-        if final:
-            self.final_sending = True
-        return (
-            {"type": "http.response.body", "body": body, "more_body": not final},
-            len(body),
-            count,
-        )
-
-    def _sent(self, message: Message, size: int, count: int) -> None:
-        self.sent_index = count
-        self.state.delivered_bytes += size
-        if not message["more_body"]:
-            self.response_complete = True
-
-    def _pump(self) -> None:
-        """Hand what waits to the server from the producer's task, while it takes it at once.
-
-        A send that would wait (the client is not reading) is not awaited here: it goes on
-        in a writer task, so the producer never waits on the client.
-        """
-        pending = self._next_message()
-        if pending is None:
-            return
-        message, size, count = pending
-        sending: Any = self.send(message)
-        try:
-            waiting_on = sending.send(None)
-        except StopIteration:
-            self._sent(message, size, count)
-            return
-        except OSError:
-            self._client_went_away()
-            return
-        self._start_writer(sending, waiting_on, pending)
-
-    def _start_writer(
-        self, sending: Any, waiting_on: Any, pending: tuple[Message, int, int]
-    ) -> None:
-        """Finish a send that waits, and what follows it, in a writer task."""
-        self.direct = False
-        writer = asyncio.get_running_loop().create_task(
-            self._write_loop(sending, waiting_on, pending)
-        )
-        writer.add_done_callback(self._part_done)
-        self.writer = writer
-
-    async def _write_loop(
-        self, sending: Any, waiting_on: Any, pending: tuple[Message, int, int]
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        self.send_started = loop.time()
-        self.lag_timer = loop.call_later(self.mw.max_lag_seconds / 2, self._check_lag)
-        try:
-            await _Resume(sending, waiting_on)
-            self._sent(*pending)
-            while not self.client_gone:
-                next_message = self._next_message()
-                if next_message is None:
-                    return
-                self.send_started = loop.time()
-                await self.send(next_message[0])
-                self._sent(*next_message)
-        except OSError:
-            self._client_went_away()
-        finally:
-            self.send_started = 0.0
-            if self.lag_timer is not None:
-                self.lag_timer.cancel()
-                self.lag_timer = None
-            if self.writer is asyncio.current_task():
-                # Caught up: the producer hands the next chunks over itself.
-                self.writer = None
-                generation = self.generation
-                self.direct = (
-                    not self.client_gone
-                    and generation is not None
-                    and generation.running
-                    and self.sent_index == len(generation.chunks)
-                )
-
-
-async def _awaited(awaitable: Awaitable[Any]) -> Any:
-    return await awaitable
-
-
-class _Resume:
-    """Finish, in the awaiting task, a coroutine that another task started and that waits."""
-
-    __slots__ = ("coro", "waiting_on")
-
-    def __init__(self, coro: Any, waiting_on: Any) -> None:
-        self.coro = coro
-        self.waiting_on = waiting_on
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro = self.coro
-        value = self.waiting_on
-        while True:
-            try:
-                sent = yield value
-            except BaseException as exc:
-                try:
-                    value = coro.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-            else:
-                try:
-                    value = coro.send(sent)
-                except StopIteration as stop:
-                    return stop.value
+        if not self.expect_trailers:
+            self.delivery = Delivery.DONE

@@ -16,15 +16,17 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import parse_qsl
 
 from ._aio import shielded
-from ._claims import Claim, ClaimState, ClaimStore, StoredResponse
-from ._disconnect import default_principal
+from ._contract import RequestState, default_principal, request_state
+from ._lifecycle import lifecycle_of
 from ._problem import problem_body, send_problem
-from ._state import RequestState
+from ._records import Claim, ClaimState, StoredResponse
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+    from ._contract import ClaimStore
 
 __all__ = ["IdempotencyKeyRequired", "IdempotencyMiddleware", "idempotent", "parse_key"]
 
@@ -220,6 +222,9 @@ class IdempotencyMiddleware:
         self._noting: set[asyncio.Task[None]] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
         if scope["type"] != "http" or scope["method"] not in self.methods:
             await self.app(scope, receive, send)
             return
@@ -243,6 +248,20 @@ class IdempotencyMiddleware:
             await send_problem(
                 send, refusal.status, refusal.slug, refusal.title, refusal.detail, headers=headers
             )
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lifecycle, owner = lifecycle_of(scope)
+        backend: Any = self.backend
+        lifecycle.register(
+            "IdempotencyMiddleware",
+            unique=True,
+            startup=getattr(backend, "open", None),
+            close=getattr(backend, "aclose", None) or _nothing,
+        )
+        if owner:
+            await lifecycle.serve(self.app, scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
 
     async def _run_unclaimed(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
@@ -269,7 +288,7 @@ class IdempotencyMiddleware:
         except ValueError as exc:
             slug = "idempotency-key-duplicated" if len(values) > 1 else "idempotency-key-malformed"
             raise _Refusal(400, slug, "Bad Idempotency-Key", str(exc)) from None
-        principal = self.principal(scope)
+        principal = request_state(scope, self.principal).principal
         if not principal:
             if not self.allow_anonymous:
                 raise _Refusal(
@@ -527,3 +546,7 @@ def _replay_receive(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+def _nothing() -> None:
+    pass

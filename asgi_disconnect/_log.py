@@ -3,40 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 from bisect import bisect_right
 from typing import TYPE_CHECKING, Any
 
-import msgspec
+from ._records import GenerationInfo, Status
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-__all__ = ["Generation", "GenerationInfo", "Status"]
-
-
-class Status(enum.StrEnum):
-    RUNNING = "running"
-    COMPLETE = "complete"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    INTERRUPTED = "interrupted"
-
-
-class GenerationInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``GET {resume_prefix}/{id}`` reports about a generation."""
-
-    id: str
-    status: Status
-    policy: str | None
-    size: int
-    status_code: int
-    content_type: str | None
-    created_at: float
-    finished_at: float | None
-    detached: bool
-    error: str | None
+__all__ = ["Generation"]
 
 
 _READ_LIMIT = 1 << 20

@@ -6,12 +6,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ._aio import shielded
-from ._state import RequestState
+from ._contract import RequestState, Reservations, UsageSink
+from ._lifecycle import lifecycle_of
+from ._records import UsageRecord
 from .metering import StreamMeter, analyze
 
 if TYPE_CHECKING:
@@ -30,54 +32,6 @@ logger = logging.getLogger("asgi_disconnect")
 _OFF_LOOP_TEXT = 64 * 1024
 _JSON_LIMIT = 4 << 20
 _json = msgspec.json.Decoder()
-
-
-class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """What one request cost and what its client got.
-
-    ``outcome`` is ``complete`` (the protocol's terminal marker arrived), ``truncated``
-    (the stream ended without it), ``error`` (an error frame, an error status or an
-    exception), ``cancelled`` (the client left and the policy cancelled) or
-    ``interrupted`` (shutdown or a lost owner). Token counts come from the provider when
-    it sent usage (``usage_source="provider"``), else are estimated from the text
-    (``"estimated"``), else unknown (``"none"``). ``delivered_*`` is what the client
-    writer handed to the server; ``produced_*`` is what the app produced.
-    """
-
-    generation_id: str | None
-    principal: str | None
-    method: str
-    route: str
-    status_code: int | None
-    provider: str | None
-    model: str | None
-    outcome: str
-    input_tokens: int | None
-    output_tokens: int | None
-    usage_source: str
-    cache_read_tokens: int | None = None
-    reasoning_tokens: int | None = None
-    produced_bytes: int
-    delivered_bytes: int
-    produced_output_tokens: int | None
-    delivered_output_tokens: int | None
-    time_to_first_event: float | None
-    duration: float
-    finish_reason: str | None
-    error_type: str | None
-    policy: str | None = None
-    detached: bool = False
-    started_at: float
-
-
-UsageSink = Callable[[UsageRecord], Awaitable[None] | None]
-
-
-class Reservations(Protocol):
-    """Reserve credits before the app runs; settle them with the record, always."""
-
-    async def reserve(self, scope: Scope) -> Any: ...
-    async def settle(self, reservation: Any, record: UsageRecord) -> None: ...
 
 
 def estimate_tokens(text: str) -> int:
@@ -168,13 +122,12 @@ class MeteringMiddleware:
             await asyncio.wait(set(self._emitting), timeout=timeout)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def lifespan_receive() -> Message:
-            message = await receive()
-            if message["type"] == "lifespan.shutdown":
-                await self.drain()
-            return message
-
-        await self.app(scope, lifespan_receive, send)
+        lifecycle, owner = lifecycle_of(scope)
+        lifecycle.register("MeteringMiddleware", unique=True, flush=self.drain)
+        if owner:
+            await lifecycle.serve(self.app, scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
 
     async def _emit(
         self, scope: Scope, tee: _Tee, state: RequestState | None, reservation: Any
@@ -237,7 +190,7 @@ class MeteringMiddleware:
         route = scope.get("route")
         return UsageRecord(
             generation_id=state.generation_id if state is not None else None,
-            principal=_principal(state),
+            principal=state.principal if state is not None else None,
             method=scope["method"],
             route=getattr(route, "path", None) or scope["path"],
             status_code=tee.status_code,
@@ -266,13 +219,6 @@ class MeteringMiddleware:
         if len(text) > _OFF_LOOP_TEXT:
             return await asyncio.to_thread(self.tokenizer, text)
         return self.tokenizer(text)
-
-
-def _principal(state: RequestState | None) -> str | None:
-    if state is None:
-        return None
-    generation = state.generation
-    return generation.principal if generation is not None else state.principal
 
 
 class _Tee:

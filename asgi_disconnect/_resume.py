@@ -10,15 +10,15 @@ from urllib.parse import parse_qsl
 import anyio
 import msgspec
 
-from ._log import GenerationInfo, Status
 from ._problem import send_problem
+from ._records import GenerationInfo, Status
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from starlette.types import Receive, Scope, Send
 
-    from ._backends import Backend
+    from ._contract import Backend
 
 __all__ = ["ResumeEndpoints", "error_frame", "is_event_stream"]
 
@@ -51,6 +51,14 @@ class ResumeEndpoints:
     def __init__(self, backend: Backend, principal: Callable[[Scope], str | None]) -> None:
         self.backend = backend
         self.principal = principal
+
+    def handles(self, rest: str) -> bool:
+        """Whether ``rest`` (the path after the prefix) names a resume endpoint; other paths
+        under the prefix stay the app's."""
+        if not rest.startswith("/"):
+            return False
+        generation_id, slash, action = rest[1:].partition("/")
+        return (action == "stream" or not slash) and _ID.fullmatch(generation_id) is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, rest: str) -> None:
         generation_id, _, action = rest[1:].partition("/")

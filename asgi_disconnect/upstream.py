@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._state import current_state
+from ._contract import current_state
 
 if TYPE_CHECKING:
-    from ._state import Closable
+    from ._contract import Closable
 
 __all__ = ["track", "track_response"]
 

@@ -28,9 +28,9 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from asgi_disconnect import MemoryBackend
-from asgi_disconnect._disconnect import _new_generation_id, default_principal
+from asgi_disconnect._contract import RequestState, current_state, default_principal
+from asgi_disconnect._contract import new_generation_id as _new_generation_id
 from asgi_disconnect._log import Generation, Status
-from asgi_disconnect._state import RequestState, current_state
 from benchmarks.apps import make_app
 from benchmarks.instructions import count
 from benchmarks.overhead import measure, serve

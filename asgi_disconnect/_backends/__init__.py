@@ -2,59 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from .._contract import Backend
 from ._durable import BackendUnavailable, DurableBackend
 from ._memory import MemoryBackend
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
-
     import asyncpg
 
-    from .._log import Generation, GenerationInfo
-    from .._metering import UsageRecord
-
 __all__ = ["Backend", "BackendUnavailable", "DurableBackend", "MemoryBackend", "connect"]
-
-
-@runtime_checkable
-class Backend(Protocol):
-    """Where generations live.
-
-    The middleware hands each live :class:`Generation` to ``register``; appends and the
-    final status are recorded on that object without awaiting anything, and a durable
-    backend persists them in batches of its own choosing (it pulls from the object).
-    Readers go through ``get``, ``principal_of`` and ``follow``, which work from any
-    process that shares the store.
-    """
-
-    url: str
-
-    async def open(self) -> None:
-        """Connect and prepare the store; idempotent."""
-
-    async def aclose(self) -> None:
-        """Persist what is pending and release connections; idempotent."""
-
-    def register(self, generation: Generation) -> None:
-        """Take a new generation; called once, without awaiting, at response start."""
-
-    async def get(self, generation_id: str) -> GenerationInfo | None:
-        """The generation's status, or None if it is unknown or expired."""
-
-    async def principal_of(self, generation_id: str) -> str | None:
-        """The principal that created the generation, or None if it is unknown."""
-
-    def follow(self, generation_id: str, offset: int) -> AsyncIterator[bytes]:
-        """Its bytes from ``offset``, then live until it ends."""
-
-    def record_usage(self, record: UsageRecord) -> None:
-        """Store a usage record (a sink for :class:`MeteringMiddleware`); never awaits."""
-
-    async def usage_of(self, generation_id: str) -> list[UsageRecord]:
-        """The usage records stored for a generation."""
 
 
 def connect(

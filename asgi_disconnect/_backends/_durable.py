@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from .._claims import Claim, ClaimState, StoredResponse
-from .._log import Generation, GenerationInfo, Status
+from .._log import Generation
+from .._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from .._metering import UsageRecord
 
 __all__ = ["BackendUnavailable", "DurableBackend", "FlushBatch", "SQLStore"]
 
@@ -289,7 +288,6 @@ class DurableBackend:
 
     async def usage_of(self, generation_id: str) -> list[UsageRecord]:
         """The usage records stored for a generation (normally one)."""
-        from .._metering import UsageRecord
 
         await self._ensure_open()
         rows = await self.store.usage(generation_id)

@@ -6,13 +6,13 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .._claims import Claim, ClaimState, StoredResponse
+from .._records import Claim, ClaimState, StoredResponse
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from .._log import Generation, GenerationInfo
-    from .._metering import UsageRecord
+    from .._log import Generation
+    from .._records import GenerationInfo, UsageRecord
 
 __all__ = ["MemoryBackend"]
 

@@ -8,8 +8,7 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
-from .._claims import Claim, ClaimState, StoredResponse
-from .._log import GenerationInfo
+from .._records import Claim, ClaimState, GenerationInfo, StoredResponse
 from ._durable import (
     BackendUnavailable,
     FlushBatch,

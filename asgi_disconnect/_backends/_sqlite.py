@@ -7,8 +7,7 @@ import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._claims import Claim, ClaimState, StoredResponse
-from .._log import GenerationInfo
+from .._records import Claim, ClaimState, GenerationInfo, StoredResponse
 from ._durable import (
     BackendUnavailable,
     FlushBatch,

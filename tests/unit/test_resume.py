@@ -74,16 +74,21 @@ async def test_unknown_id_is_404(mw: DisconnectMiddleware, path: str) -> None:
         "/generations/",
         "/generations/nope",
         "/generations/gen_short",
+        "/generations/gen_AAAAAAAAAAAAAAAAAAAAAAAA/",
         "/generations/gen_AAAAAAAAAAAAAAAAAAAAAAAA/other",
         "/generations/gen_AAAAAAAAAAAAAAAAAAAAAAAA/stream/x",
         "/generations/../etc/passwd",
         "/generations/gen_AAAAAAAAAAAAAAAAAAAAAA\u00e9A",
     ],
 )
-async def test_malformed_paths_are_404(mw: DisconnectMiddleware, path: str) -> None:
+async def test_other_paths_under_the_prefix_stay_the_apps(
+    mw: DisconnectMiddleware, path: str
+) -> None:
+    # Only /{id} and /{id}/stream of a well-formed id are the middleware's.
     result = await drive(mw, path=path)
     assert result.status == 404
-    assert problem(result)["type"] == "urn:asgi-disconnect:problem:not-found"
+    assert result.header("content-type") == "text/plain; charset=utf-8"
+    assert result.body == b"Not Found"
 
 
 async def test_prefix_alone_is_left_to_the_app(mw: DisconnectMiddleware) -> None:

@@ -1,0 +1,286 @@
+"""The contract between the middlewares: what one request shares, and what a store offers.
+
+Every middleware of the package reads and hooks a request only through what is here:
+
+- :class:`RequestState` at ``scope["asgi_disconnect"]``: created once per request by the
+  outermost of the package's middlewares (:func:`request_state`), with the caller's
+  principal resolved once; the generation id; the policy and whether the work detached;
+  produced and delivered bytes; :attr:`RequestState.ending`, how the exchange ended;
+- :meth:`RequestState.on_finished`: the hook that runs once the exchange is over (the app
+  returned and nothing more will be delivered; for detached work, when it ended);
+- :class:`Backend`: the one object that serves every store (generations, claims, usage).
+
+Who writes what in :class:`RequestState`:
+
+=====================  ======================================================
+field                  written by
+=====================  ======================================================
+``generation_id``      :func:`request_state`, once
+``principal``          :func:`request_state`, once
+``generation``         DisconnectMiddleware, at the response start
+``policy``             DisconnectMiddleware, when the client left
+``detached``           DisconnectMiddleware, when the policy detached the work
+``disconnected``       DisconnectMiddleware, when the client left or lagged
+``delivered_bytes``    DisconnectMiddleware's client writer
+``ending``             DisconnectMiddleware, once, when the exchange is over
+``upstreams``          the upstream helpers (``asgi_disconnect.upstream``)
+=====================  ======================================================
+
+No middleware imports another; the stores import only this module and the records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import logging
+import os
+from base64 import urlsafe_b64encode
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from starlette.types import Scope
+
+    from ._log import Generation
+    from ._policy import Policy
+    from ._records import Claim, GenerationInfo, StoredResponse, UsageRecord
+
+__all__ = [
+    "SCOPE_KEY",
+    "Backend",
+    "ClaimStore",
+    "Closable",
+    "Ending",
+    "Principal",
+    "RequestState",
+    "Reservations",
+    "UsageSink",
+    "current_state",
+    "default_principal",
+    "new_generation_id",
+    "request_state",
+]
+
+logger = logging.getLogger("asgi_disconnect")
+
+SCOPE_KEY = "asgi_disconnect"
+
+Principal = Callable[["Scope"], "str | None"]
+UsageSink = Callable[["UsageRecord"], Awaitable[None] | None]
+
+
+def default_principal(scope: Scope) -> str:
+    """A digest of the caller's ``Authorization`` or ``x-api-key`` header; ``""`` if none."""
+    for name, value in scope["headers"]:
+        if name == b"authorization" or name == b"x-api-key":
+            return hashlib.sha256(value).hexdigest()[:32]
+    return ""
+
+
+class _IdSource:
+    """Random ids from the OS CSPRNG, read and encoded 256 at a time (18 bytes = 24 chars)."""
+
+    __slots__ = ("_ids",)
+
+    _BATCH = 256
+
+    def __init__(self) -> None:
+        self._ids: list[str] = []
+
+    def __call__(self) -> str:
+        ids = self._ids
+        if not ids:
+            encoded = urlsafe_b64encode(os.urandom(18 * self._BATCH)).decode()
+            ids += ["gen_" + encoded[start : start + 24] for start in range(0, len(encoded), 24)]
+        return ids.pop()
+
+
+new_generation_id = _IdSource()
+
+
+class Ending(enum.StrEnum):
+    """How an exchange ended, for the client that made the request."""
+
+    DELIVERED = "delivered"
+    """The whole response was handed to the server."""
+    CUT = "cut"
+    """The client left, or lagged too far, before the response was complete."""
+    CANCELLED = "cancelled"
+    """The client left and the policy cancelled the work."""
+    FAILED = "failed"
+    """The app raised, or returned before its response was complete."""
+    INTERRUPTED = "interrupted"
+    """The server or the process stopped the work (shutdown, a cancelled request)."""
+
+
+class Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+class RequestState:
+    """What the middlewares know about one request; read it, don't replace it."""
+
+    # Defaults live on the class: a request sets only what differs.
+    generation: Generation | None = None
+    policy: Policy | None = None
+    detached = False
+    ending: Ending | None = None
+    _disconnected: asyncio.Event | None = None
+    disconnect_reason: str | None = None
+    delivered_bytes = 0
+    # Set by a DisconnectMiddleware that runs this request, so a second one refuses it.
+    handled = False
+
+    def __init__(self, generation_id: str, principal: str = "") -> None:
+        self.generation_id = generation_id
+        self.principal = principal
+        self.upstreams: list[Closable] = []
+        self._finalizers: list[Callable[[], object]] | None = []
+
+    @property
+    def disconnected(self) -> asyncio.Event:
+        """Set when the client went away (or lagged too far behind)."""
+        event = self._disconnected
+        if event is None:
+            event = self._disconnected = asyncio.Event()
+        return event
+
+    @property
+    def produced_bytes(self) -> int:
+        generation = self.generation
+        return 0 if generation is None else generation.size
+
+    @property
+    def finished(self) -> bool:
+        """True once the exchange is over: the app returned and nothing more is delivered."""
+        return self._finalizers is None
+
+    def on_finished(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` once the exchange is over (at once if it already is)."""
+        if self._finalizers is None:
+            _call(callback)
+        else:
+            self._finalizers.append(callback)
+
+    def finish(self, ending: Ending) -> None:
+        """End the exchange: record how, then run the hooks; later calls do nothing."""
+        callbacks = self._finalizers
+        if callbacks is None:
+            return
+        self._finalizers = None
+        self.ending = ending
+        for callback in callbacks:
+            _call(callback)
+
+    def track(self, upstream: Closable) -> None:
+        self.upstreams.append(upstream)
+
+    async def close_upstreams(self) -> None:
+        """Close every tracked upstream response; errors are logged, never raised."""
+        upstreams, self.upstreams = self.upstreams, []
+        for upstream in upstreams:
+            try:
+                await upstream.aclose()
+            except Exception:
+                logger.warning("closing an upstream response failed", exc_info=True)
+
+
+def _call(callback: Callable[[], object]) -> None:
+    try:
+        callback()
+    except Exception:
+        logger.exception("a callback at the end of a request failed")
+
+
+def request_state(scope: Scope, principal: Principal) -> RequestState:
+    """The request's state: the one already in ``scope``, or a new one.
+
+    The outermost middleware of the package creates it, so ``principal`` is resolved once
+    per request, by the first middleware's ``principal`` option, for every middleware.
+    """
+    state = scope.get(SCOPE_KEY)
+    if state is None:
+        state = scope[SCOPE_KEY] = RequestState(new_generation_id(), principal(scope) or "")
+    return state
+
+
+current_state: ContextVar[RequestState | None] = ContextVar("asgi_disconnect_state", default=None)
+
+
+class Reservations(Protocol):
+    """Reserve credits before the app runs; settle them with the record, always."""
+
+    async def reserve(self, scope: Scope) -> Any: ...
+    async def settle(self, reservation: Any, record: UsageRecord) -> None: ...
+
+
+class ClaimStore(Protocol):
+    """The claim half of a backend. Leases and expiry are judged by the store's clock."""
+
+    async def claim(
+        self, principal: str, key: str, fingerprint: bytes, *, owner: str, lease: float, ttl: float
+    ) -> Claim:
+        """Take the claim, or report who holds it; a fresh claim is one round trip.
+
+        A running claim whose lease expired is taken over (same fingerprint only); a
+        claim past its expiry is taken afresh.
+        """
+
+    async def renew_claims(self, owner: str, lease: float) -> None:
+        """Extend the lease of every running claim of ``owner``."""
+
+    async def complete_claim(
+        self, principal: str, key: str, *, owner: str, response: StoredResponse, ttl: float
+    ) -> bool:
+        """Store the response; False if ``owner`` no longer holds the claim (fenced)."""
+
+    async def release_claim(self, principal: str, key: str, *, owner: str) -> bool:
+        """Give the claim up so a retry runs again; False if not held (fenced)."""
+
+    async def note_generation(
+        self, principal: str, key: str, *, owner: str, generation_id: str
+    ) -> None:
+        """Record which generation the running claim produces, so retries can attach."""
+
+
+@runtime_checkable
+class Backend(ClaimStore, Protocol):
+    """Where generations, claims and usage records live.
+
+    The middleware hands each live :class:`Generation` to ``register``; appends and the
+    final status are recorded on that object without awaiting anything, and a durable
+    backend persists them in batches of its own choosing (it pulls from the object).
+    Readers go through ``get``, ``principal_of`` and ``follow``, which work from any
+    process that shares the store.
+    """
+
+    url: str
+
+    async def open(self) -> None:
+        """Connect and prepare the store; idempotent. Raises ``BackendUnavailable``."""
+
+    async def aclose(self) -> None:
+        """Persist what is pending and release connections; idempotent."""
+
+    def register(self, generation: Generation) -> None:
+        """Take a new generation; called once, without awaiting, at response start."""
+
+    async def get(self, generation_id: str) -> GenerationInfo | None:
+        """The generation's status, or None if it is unknown or expired."""
+
+    async def principal_of(self, generation_id: str) -> str | None:
+        """The principal that created the generation, or None if it is unknown."""
+
+    def follow(self, generation_id: str, offset: int) -> AsyncIterator[bytes]:
+        """Its bytes from ``offset``, then live until it ends."""
+
+    def record_usage(self, record: UsageRecord) -> None:
+        """Store a usage record (a sink for :class:`MeteringMiddleware`); never awaits."""
+
+    async def usage_of(self, generation_id: str) -> list[UsageRecord]:
+        """The usage records stored for a generation."""

@@ -1,0 +1,158 @@
+"""The process lifecycle of the stack: one owner runs the lifespan protocol for every part.
+
+The outermost middleware of the package that sees the ``lifespan`` scope creates the
+:class:`Lifecycle` and puts it at ``scope["asgi_disconnect"]``; the others find it there and
+register their hooks. At ``lifespan.startup`` the owner runs the startup hooks in order
+(outermost first); a hook that raises makes the server see ``lifespan.startup.failed`` with
+the reason, so it exits instead of serving. At ``lifespan.shutdown`` it runs, before the
+app's own shutdown, the phases in this order:
+
+1. ``stop_admitting``: new requests are refused (503) — drain plugs in here;
+2. ``finish``: running generations get until the deadline, then are interrupted;
+3. ``flush``: usage emitters write their last records;
+4. ``close``: the backend persists what is pending and closes.
+
+A hook that fails is logged and the next one runs: a shutdown always reaches ``close``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from ._contract import SCOPE_KEY
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["Lifecycle", "Phase", "lifecycle_of"]
+
+logger = logging.getLogger("asgi_disconnect")
+
+Hook = Callable[[], Awaitable[None] | None]
+
+
+class Phase(enum.IntEnum):
+    """Shutdown phases, in the order they run."""
+
+    STOP_ADMITTING = 1
+    FINISH = 2
+    FLUSH = 3
+    CLOSE = 4
+
+
+class _StartupFailed(Exception):
+    pass
+
+
+class Lifecycle:
+    """Startup hooks and ordered shutdown phases for one app's stack of middlewares."""
+
+    def __init__(self) -> None:
+        self.startup: list[tuple[str, Hook]] = []
+        self.shutdown: list[tuple[Phase, int, str, Hook]] = []
+        self.parts: list[str] = []
+        self.started = False
+        self.stopping = False
+        self.stopped = False
+
+    def register(
+        self,
+        part: str,
+        *,
+        unique: bool = False,
+        startup: Hook | None = None,
+        **phases: Hook,
+    ) -> None:
+        """Add ``part``'s hooks; ``phases`` are named after :class:`Phase` in lower case.
+
+        ``unique`` parts may appear once per app: a second one fails the startup.
+        """
+        if unique and part in self.parts:
+            self.startup.append((part, _duplicate(part)))
+        self.parts.append(part)
+        if startup is not None:
+            self.startup.append((part, startup))
+        for name, hook in phases.items():
+            self.shutdown.append((Phase[name.upper()], len(self.shutdown), part, hook))
+
+    async def run_startup(self) -> None:
+        for part, hook in self.startup:
+            try:
+                result = hook()
+                if result is not None:
+                    await result
+            except Exception as exc:
+                raise _StartupFailed(f"{part}: {exc}") from exc
+        self.started = True
+
+    async def run_shutdown(self) -> None:
+        if self.stopped:
+            return
+        self.stopping = True
+        for phase, _, part, hook in sorted(self.shutdown, key=lambda item: item[:2]):
+            try:
+                result = hook()
+                if result is not None:
+                    await result
+            except Exception:
+                logger.exception("%s failed during shutdown (%s)", part, phase.name.lower())
+        self.stopped = True
+
+    async def serve(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the lifespan protocol of ``app`` with this lifecycle's hooks around it."""
+        failed = False
+
+        async def lifespan_receive() -> Message:
+            nonlocal failed
+            message = await receive()
+            kind = message["type"]
+            if kind == "lifespan.startup":
+                try:
+                    await self.run_startup()
+                except _StartupFailed as exc:
+                    failed = True
+                    logger.error("startup failed: %s", exc)
+                    await self.run_shutdown()
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    raise
+            elif kind == "lifespan.shutdown":
+                await self.run_shutdown()
+            return message
+
+        async def lifespan_send(message: Message) -> None:
+            if message["type"] == "lifespan.startup.failed":
+                # The app's own startup failed after ours: release what we opened.
+                await self.run_shutdown()
+            await send(message)
+
+        try:
+            await app(scope, lifespan_receive, lifespan_send)
+        except _StartupFailed:
+            if not failed:
+                raise
+        finally:
+            if self.started and not self.stopped:
+                # The app left the protocol without a shutdown (it raised): still close.
+                await self.run_shutdown()
+
+
+def _duplicate(part: str) -> Hook:
+    def refuse() -> None:
+        raise RuntimeError(
+            f"{part} is installed twice on this app; each response would carry two "
+            "generation ids. Add it once (install() adds it for you)."
+        )
+
+    return refuse
+
+
+def lifecycle_of(scope: Scope) -> tuple[Lifecycle, bool]:
+    """The app's lifecycle and whether the caller owns it (created it just now)."""
+    found: Any = scope.get(SCOPE_KEY)
+    if isinstance(found, Lifecycle):
+        return found, False
+    lifecycle = scope[SCOPE_KEY] = Lifecycle()
+    return lifecycle, True

@@ -1,0 +1,104 @@
+"""The records the stores keep and the middlewares exchange: plain data, no behaviour."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+__all__ = [
+    "Claim",
+    "ClaimState",
+    "GenerationInfo",
+    "Status",
+    "StoredResponse",
+    "UsageRecord",
+]
+
+
+class Status(enum.StrEnum):
+    RUNNING = "running"
+    COMPLETE = "complete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    INTERRUPTED = "interrupted"
+
+
+class GenerationInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``GET {resume_prefix}/{id}`` reports about a generation."""
+
+    id: str
+    status: Status
+    policy: str | None
+    size: int
+    status_code: int
+    content_type: str | None
+    created_at: float
+    finished_at: float | None
+    detached: bool
+    error: str | None
+
+
+class ClaimState(enum.StrEnum):
+    ACQUIRED = "acquired"
+    """This caller owns the claim: run the work."""
+    RUNNING = "running"
+    """Another owner holds a live lease: the work is under way elsewhere."""
+    COMPLETED = "completed"
+    """The work finished; its stored response can be replayed."""
+    MISMATCH = "mismatch"
+    """The key is in use with another fingerprint (another request body)."""
+
+
+class StoredResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """A response to replay: status, allow-listed headers and the body chunk by chunk."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    chunks: list[bytes]
+    generation_id: str | None = None
+
+
+class Claim(msgspec.Struct, frozen=True, kw_only=True):
+    state: ClaimState
+    retry_after: float | None = None
+    response: StoredResponse | None = None
+    generation_id: str | None = None
+
+
+class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """What one request cost and what its client got.
+
+    ``outcome`` is ``complete`` (the protocol's terminal marker arrived), ``truncated``
+    (the stream ended without it), ``error`` (an error frame, an error status or an
+    exception), ``cancelled`` (the client left and the policy cancelled) or
+    ``interrupted`` (shutdown or a lost owner). Token counts come from the provider when
+    it sent usage (``usage_source="provider"``), else are estimated from the text
+    (``"estimated"``), else unknown (``"none"``). ``delivered_*`` is what the client
+    writer handed to the server; ``produced_*`` is what the app produced.
+    """
+
+    generation_id: str | None
+    principal: str | None
+    method: str
+    route: str
+    status_code: int | None
+    provider: str | None
+    model: str | None
+    outcome: str
+    input_tokens: int | None
+    output_tokens: int | None
+    usage_source: str
+    cache_read_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    produced_bytes: int
+    delivered_bytes: int
+    produced_output_tokens: int | None
+    delivered_output_tokens: int | None
+    time_to_first_event: float | None
+    duration: float
+    finish_reason: str | None
+    error_type: str | None
+    policy: str | None = None
+    detached: bool = False
+    started_at: float

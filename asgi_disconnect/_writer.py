@@ -1,0 +1,338 @@
+"""The client writer: hands a generation's log to the server's ``send``, in order.
+
+The producer (the app's ``send``) appends to the log and returns; it never waits on the
+client. While the client keeps up, the writer is idle and the producer steps each send
+itself *as the writer* (:func:`step_as`), which costs no task switch; a send that waits is
+finished by the writer task, and everything produced meanwhile follows from the log. A send
+that has not finished after ``max_lag_seconds``, or a log that runs ``max_lag_bytes`` ahead of
+the client, reports the client as lagging.
+
+Messages other than start and body keep their place: each is queued behind the chunks
+produced before it (``http.response.trailers`` behind the final body,
+``http.response.pathsend`` as the end of the body, anything unknown where it was sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import enum
+from typing import TYPE_CHECKING, Any
+
+from ._aio import Resume, as_coroutine, step_as
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from starlette.types import Message, Send
+
+    from ._contract import RequestState
+    from ._log import Generation
+
+__all__ = ["ClientWriter", "Delivery"]
+
+
+class Delivery(enum.Enum):
+    """Where the response stands with the client; written by the writer and the exchange."""
+
+    OPEN = "open"
+    """Started; more is to come."""
+    FINAL = "final"
+    """The message that ends the response is being handed to the server."""
+    DONE = "done"
+    """The whole response was handed to the server."""
+    GONE = "gone"
+    """The client left, lagged or the server refused a send: nothing more is sent."""
+
+
+_MOVES = {
+    Delivery.OPEN: frozenset({Delivery.FINAL, Delivery.DONE, Delivery.GONE}),
+    Delivery.FINAL: frozenset({Delivery.DONE, Delivery.GONE}),
+    Delivery.DONE: frozenset(),
+    Delivery.GONE: frozenset(),
+}
+
+# A queued message: (chunks sent before it, queued after the final body?, message).
+_Extra = tuple[int, bool, "Message"]
+# A send in progress: (coroutine, what it waits on, message, body size, chunks sent after).
+_Pending = tuple[Any, Any, "Message", int, int]
+
+
+class ClientWriter:
+    """Delivers one response's log to the client; see the module docstring."""
+
+    __slots__ = (
+        "_pending",
+        "_waiter",
+        "closing",
+        "context",
+        "delivery",
+        "direct",
+        "end_response",
+        "end_sent",
+        "error",
+        "expect_trailers",
+        "extras",
+        "generation",
+        "lag_timer",
+        "loop",
+        "max_lag_seconds",
+        "on_done",
+        "on_lost",
+        "send",
+        "send_started",
+        "sent_index",
+        "state",
+        "task",
+    )
+
+    def __init__(
+        self,
+        send: Send,
+        generation: Generation,
+        state: RequestState,
+        *,
+        max_lag_seconds: float,
+        expect_trailers: bool,
+        on_lost: Callable[[str], None],
+        on_done: Callable[[asyncio.Task[None]], None],
+        sent_index: int = 0,
+    ) -> None:
+        self.send = send
+        self.generation = generation
+        self.state = state
+        self.max_lag_seconds = max_lag_seconds
+        self.expect_trailers = expect_trailers
+        self.on_lost = on_lost
+        self.on_done = on_done
+        self.sent_index = sent_index
+        self.delivery = Delivery.OPEN
+        self.end_response = True
+        self.end_sent = False
+        # Set by the exchange once the app ended: nothing more will be produced.
+        self.closing = False
+        self.extras: list[_Extra] = []
+        self.error: BaseException | None = None
+        self.send_started = 0.0
+        self.lag_timer: asyncio.TimerHandle | None = None
+        self._pending: _Pending | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        # The writer's task runs in a context of its own; sends stepped as the writer too.
+        self.context = contextvars.copy_context()
+        self.loop = asyncio.get_running_loop()
+        self.task: asyncio.Task[None] = self.loop.create_task(self._run(), context=self.context)
+        self.task.add_done_callback(on_done)
+        # True while the producer may step sends itself: the writer is idle and caught up.
+        self.direct = True
+
+    def move(self, to: Delivery) -> None:
+        if to not in _MOVES[self.delivery]:
+            raise RuntimeError(f"the response cannot go from {self.delivery.value} to {to.value}")
+        self.delivery = to
+
+    @property
+    def busy(self) -> bool:
+        """A send waits on the client."""
+        return self._pending is not None or self.send_started != 0.0
+
+    # -- the producer's side ------------------------------------------------------------
+
+    def hand(self, message: Message, size: int, count: int) -> None:
+        """Send ``message`` (in the log up to chunk ``count``) as the writer; the exchange
+        inlines this for a body chunk that is not the last."""
+        if self._ends(message):
+            self.delivery = Delivery.FINAL
+        sending = as_coroutine(self.send(message))
+        try:
+            waiting_on = step_as(self.task, self.context, sending, self.loop)
+        except StopIteration:
+            self._sent(message, size, count)
+            return
+        except OSError:
+            self.lost("client")
+            return
+        self.wait_for(sending, waiting_on, message, size, count)
+
+    def wait_for(
+        self, sending: Any, waiting_on: Any, message: Message, size: int, count: int
+    ) -> None:
+        """A send stepped as the writer waits: the writer task finishes it."""
+        self.direct = False
+        self._pending = (sending, waiting_on, message, size, count)
+        self.wake()
+
+    def queue(self, message: Message, *, after_end: bool) -> None:
+        """Queue a message that is not start or body behind what was produced before it;
+        ``after_end``: the app sent it after its final body (trailers)."""
+        self.extras.append((len(self.generation.chunks), after_end, message))
+
+    def pump(self) -> None:
+        """Hand over what waits, from the caller's task, while the client takes it at once."""
+        while self.direct:
+            pending = self._next()
+            if pending is None:
+                break
+            self.hand(*pending)
+        if self.delivery is Delivery.DONE or self.closing:
+            self.wake()
+
+    def wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def lost(self, reason: str) -> None:
+        """The client is gone (``client``), lagging (``lag``) or the server refused (``error``)."""
+        if self.delivery is Delivery.GONE or self.delivery is Delivery.DONE:
+            return
+        self.delivery = Delivery.GONE
+        self.direct = False
+        self.stop()
+        self.on_lost(reason)
+
+    def stop(self) -> None:
+        if not self.task.done() and self.task is not asyncio.current_task():
+            self.task.cancel()
+        if self.lag_timer is not None:
+            self.lag_timer.cancel()
+            self.lag_timer = None
+
+    # -- what goes next -----------------------------------------------------------------
+
+    def _next(self) -> tuple[Message, int, int] | None:
+        """The next message to hand over: queued chunks as one body, or a queued message."""
+        if self.delivery is not Delivery.OPEN:
+            return None
+        generation = self.generation
+        count = len(generation.chunks)
+        index = self.sent_index
+        extras = self.extras
+        if extras:
+            at, after_end, extra = extras[0]
+            if at <= index and (self.end_sent or not after_end):
+                return extra, 0, index
+            limit = at
+        else:
+            limit = count
+        ended = not generation.running
+        if index < limit:
+            chunks = generation.chunks[index:limit]
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            final = ended and limit == count and self.end_response and not self.end_sent
+            if final and extras and not extras[0][1]:
+                final = False
+            return (
+                {"type": "http.response.body", "body": body, "more_body": not final},
+                len(body),
+                limit,
+            )
+        if ended and self.end_response and not self.end_sent and (not extras or extras[0][1]):
+            return {"type": "http.response.body", "body": b"", "more_body": False}, 0, index
+        return None
+
+    def _ends(self, message: Message) -> bool:
+        """Whether ``message`` is the last of the response."""
+        kind = message["type"]
+        if kind == "http.response.body":
+            return not bool(message.get("more_body", False)) and not self.expect_trailers
+        if kind == "http.response.trailers":
+            more: bool = message.get("more_trailers", False)
+            return not more
+        return bool(kind == "http.response.pathsend")
+
+    def _sent(self, message: Message, size: int, count: int) -> None:
+        kind = message["type"]
+        if kind == "http.response.body":
+            self.sent_index = count
+            self.state.delivered_bytes += size
+            if message.get("more_body", False):
+                return
+            self.end_sent = True
+            if self.expect_trailers:
+                return
+        else:
+            self.extras.pop(0)
+            if kind == "http.response.trailers":
+                if message.get("more_trailers", False):
+                    return
+            elif kind != "http.response.pathsend":
+                return
+        if self.delivery is not Delivery.GONE:
+            self.delivery = Delivery.DONE
+            self.direct = False
+
+    # -- the writer task ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                pending = self._pending
+                if pending is not None:
+                    self._pending = None
+                    await self._finish(pending, None)
+                    continue
+                following = self._next()
+                if following is not None:
+                    message, size, count = following
+                    if self._ends(message):
+                        self.delivery = Delivery.FINAL
+                    self._arm(loop)
+                    await self.send(message)
+                    self._disarm()
+                    self._sent(message, size, count)
+                    continue
+                if self.delivery is not Delivery.OPEN or self.closing:
+                    return
+                self.direct = True
+                waiter = self._waiter = loop.create_future()
+                try:
+                    await waiter
+                except asyncio.CancelledError as exc:
+                    pending = self._pending
+                    if pending is None:
+                        raise
+                    # Aimed at the send stepped as this task (its own timeout, say).
+                    self._pending = None
+                    await self._finish(pending, exc)
+                finally:
+                    self._waiter = None
+        except OSError:
+            self.lost("client")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # The server refused a send (a protocol error, say): it must hear of it.
+            self.error = exc
+            self.lost("error")
+        finally:
+            self.direct = False
+            self._disarm()
+
+    async def _finish(self, pending: _Pending, throw: BaseException | None) -> None:
+        sending, waiting_on, message, size, count = pending
+        self.direct = False
+        self._arm(asyncio.get_running_loop())
+        await Resume(sending, waiting_on, throw)
+        self._disarm()
+        self._sent(message, size, count)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.send_started = loop.time()
+        if self.lag_timer is None:
+            self.lag_timer = loop.call_later(self.max_lag_seconds / 2, self._check_lag)
+
+    def _disarm(self) -> None:
+        self.send_started = 0.0
+
+    def _check_lag(self) -> None:
+        self.lag_timer = None
+        if self.task.done() or self.delivery is Delivery.GONE:
+            return
+        loop = asyncio.get_running_loop()
+        started = self.send_started
+        if started and loop.time() - started > self.max_lag_seconds:
+            self.lost("lag")
+            return
+        if started:
+            self.lag_timer = loop.call_later(self.max_lag_seconds / 2, self._check_lag)
