@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Coroutine, Generator
     from contextvars import Context
 
-__all__ = ["Resume", "as_coroutine", "join", "shielded", "step_as", "wait_bounded"]
+__all__ = ["DONE", "Resume", "as_coroutine", "join", "shielded", "step_as", "wait_bounded"]
 
 _enter_task = _tasks._enter_task
 _leave_task = _tasks._leave_task
@@ -41,6 +41,10 @@ def as_coroutine(awaitable: Awaitable[Any]) -> Coroutine[Any, Any, Any]:
     return _awaited(awaitable)
 
 
+DONE: Any = object()
+"""What :func:`step_as` returns when the coroutine finished in that step."""
+
+
 def step_as(
     task: asyncio.Task[Any],
     context: Context,
@@ -49,32 +53,40 @@ def step_as(
 ) -> Any:
     """Take the first step of ``coro`` as ``task`` (of ``loop``) would, in its context.
 
-    Returns what the coroutine now waits on; only ``task`` may go on with it (through
-    :class:`Resume`). Raises ``StopIteration`` if it finished in this step, and whatever
-    else it raised.
+    Returns what the coroutine now waits on, which only ``task`` may go on with (through
+    :class:`Resume`), or :data:`DONE` if it finished in this step; raises what it raised.
     """
     running = _running
-    if running is not None:
-        # asyncio's own record of the running task, swapped and restored in place.
-        current = running.get(loop)
-        if current is task:
-            return coro.send(None)
-        running[loop] = task
-        try:
-            return context.run(coro.send, None)
-        finally:
-            if current is None:
-                del running[loop]
-            else:
-                running[loop] = current
+    if running is None:
+        return _step_as_entered(task, context, coro, loop)
+    # asyncio's own record of the running task, swapped and restored in place.
+    current = running.get(loop)
+    running[loop] = task
+    try:
+        return context.run(coro.send, None)
+    except StopIteration:
+        return DONE
+    finally:
+        if current is None:
+            del running[loop]
+        else:
+            running[loop] = current
+
+
+def _step_as_entered(
+    task: asyncio.Task[Any],
+    context: Context,
+    coro: Coroutine[Any, Any, Any],
+    loop: asyncio.AbstractEventLoop,
+) -> Any:
     current = asyncio.current_task(loop)
-    if current is task:
-        return coro.send(None)
     if current is not None:
         _leave_task(loop, current)
     _enter_task(loop, task)
     try:
         return context.run(coro.send, None)
+    except StopIteration:
+        return DONE
     finally:
         _leave_task(loop, task)
         if current is not None:

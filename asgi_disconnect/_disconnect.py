@@ -20,7 +20,7 @@ import types
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ._aio import Resume, as_coroutine, join, shielded, step_as, wait_bounded
+from ._aio import DONE, Resume, as_coroutine, join, shielded, step_as, wait_bounded
 from ._backends import MemoryBackend
 from ._contract import (
     SCOPE_KEY,
@@ -711,11 +711,12 @@ class _Exchange:
                     sending = as_coroutine(sending)
                 try:
                     waiting_on = step_as(writer.task, writer.context, sending, writer.loop)
-                except StopIteration:
-                    writer.sent_index = len(chunks)
-                    self.state.delivered_bytes += len(body)
                 except OSError:
                     writer.lost("client")
+                    return
+                if waiting_on is DONE:
+                    writer.sent_index = len(chunks)
+                    self.state.delivered_bytes += len(body)
                 else:
                     writer.wait_for(sending, waiting_on, message, len(body), len(chunks))
                 return

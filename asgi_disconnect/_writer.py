@@ -19,7 +19,7 @@ import contextvars
 import enum
 from typing import TYPE_CHECKING, Any
 
-from ._aio import Resume, as_coroutine, step_as
+from ._aio import DONE, Resume, as_coroutine, step_as
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -145,11 +145,11 @@ class ClientWriter:
         sending = as_coroutine(self.send(message))
         try:
             waiting_on = step_as(self.task, self.context, sending, self.loop)
-        except StopIteration:
-            self._sent(message, size, count)
-            return
         except OSError:
             self.lost("client")
+            return
+        if waiting_on is DONE:
+            self._sent(message, size, count)
             return
         self.wait_for(sending, waiting_on, message, size, count)
 
