@@ -7,6 +7,10 @@ entered, and a timer that fires later cancels that task. :func:`step_as` takes a
 the finishing task's identity and context, so such a timer cancels the task that awaits
 the send, never the producer that happened to start it. Everything that steps a server's
 ``send`` by hand goes through :func:`step_as` and :class:`Resume`; nothing else does.
+
+The one exception, for speed: a ``send`` that :func:`binds_nothing` (a server's own, alone
+or behind Starlette's error middleware) is stepped in the producer's task as it is, because
+nothing in it captures the task or the context.
 """
 
 from __future__ import annotations
@@ -20,7 +24,16 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Coroutine, Generator
     from contextvars import Context
 
-__all__ = ["DONE", "Resume", "as_coroutine", "join", "shielded", "step_as", "wait_bounded"]
+__all__ = [
+    "DONE",
+    "Resume",
+    "as_coroutine",
+    "binds_nothing",
+    "join",
+    "shielded",
+    "step_as",
+    "wait_bounded",
+]
 
 _enter_task = _tasks._enter_task
 _leave_task = _tasks._leave_task
@@ -39,6 +52,37 @@ def as_coroutine(awaitable: Awaitable[Any]) -> Coroutine[Any, Any, Any]:
     if type(awaitable) is _COROUTINE:
         return awaitable
     return _awaited(awaitable)
+
+
+# Servers whose own ``send`` waits on plain futures and events, never on the running task.
+_PLAIN_SERVERS = ("uvicorn.", "hypercorn.", "granian.")
+
+
+def _errors_send_code() -> Any:
+    from starlette.middleware.errors import ServerErrorMiddleware
+
+    for const in ServerErrorMiddleware.__call__.__code__.co_consts:
+        if isinstance(const, types.CodeType) and const.co_name == "_send":
+            return const
+    return None
+
+
+_ERRORS_SEND = _errors_send_code()
+
+
+def binds_nothing(send: Any) -> bool:
+    """Whether ``send`` is known to bind nothing to the task or context that runs it: a
+    server's own (uvicorn, hypercorn, granian), alone or behind Starlette's
+    ``ServerErrorMiddleware``, which only notes that the response started."""
+    for _ in range(4):
+        owner = getattr(send, "__self__", None)
+        if owner is not None:
+            return type(owner).__module__.startswith(_PLAIN_SERVERS)
+        code = getattr(send, "__code__", None)
+        if code is None or code is not _ERRORS_SEND:
+            return False
+        send = send.__closure__[code.co_freevars.index("send")].cell_contents
+    return False
 
 
 DONE: Any = object()

@@ -125,20 +125,33 @@ class Closable(Protocol):
 class RequestState:
     """What the middlewares know about one request; read it, don't replace it."""
 
-    # Defaults live on the class: a request sets only what differs.
-    generation: Generation | None = None
-    policy: Policy | None = None
-    detached = False
-    ending: Ending | None = None
-    _disconnected: asyncio.Event | None = None
-    disconnect_reason: str | None = None
-    delivered_bytes = 0
-    # Set by a DisconnectMiddleware that runs this request, so a second one refuses it.
-    handled = False
+    __slots__ = (
+        "_disconnected",
+        "_finalizers",
+        "delivered_bytes",
+        "detached",
+        "disconnect_reason",
+        "ending",
+        "generation",
+        "generation_id",
+        "handled",
+        "policy",
+        "principal",
+        "upstreams",
+    )
 
     def __init__(self, generation_id: str, principal: str = "") -> None:
         self.generation_id = generation_id
         self.principal = principal
+        self.generation: Generation | None = None
+        self.policy: Policy | None = None
+        self.detached = False
+        self.ending: Ending | None = None
+        self._disconnected: asyncio.Event | None = None
+        self.disconnect_reason: str | None = None
+        self.delivered_bytes = 0
+        # Set by a DisconnectMiddleware that runs this request, so a second one refuses it.
+        self.handled = False
         self.upstreams: list[Closable] = []
         self._finalizers: list[Callable[[], object]] | None = []
 
