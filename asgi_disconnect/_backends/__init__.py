@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from ._durable import BackendUnavailable, DurableBackend
+from .._errors import BackendUnavailable
+from ._durable import DurableBackend
 from ._memory import MemoryBackend
 
 if TYPE_CHECKING:

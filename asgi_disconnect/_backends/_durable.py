@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from .._claims import Claim, ClaimState, StoredResponse
+from .._errors import BackendUnavailable
 from .._log import Generation, GenerationInfo, Status
 
 if TYPE_CHECKING:
@@ -19,13 +20,9 @@ if TYPE_CHECKING:
 
     from .._metering import UsageRecord
 
-__all__ = ["BackendUnavailable", "DurableBackend", "FlushBatch", "SQLStore"]
+__all__ = ["DurableBackend", "FlushBatch", "SQLStore"]
 
 logger = logging.getLogger("asgi_disconnect")
-
-
-class BackendUnavailable(ConnectionError):
-    """The store cannot be reached; the message names its URL, password masked."""
 
 
 @dataclass

@@ -9,9 +9,9 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from .._claims import Claim, ClaimState, StoredResponse
+from .._errors import BackendUnavailable
 from .._log import GenerationInfo
 from ._durable import (
-    BackendUnavailable,
     FlushBatch,
     claim_from_row,
     encode_response,

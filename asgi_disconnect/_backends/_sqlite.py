@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._claims import Claim, ClaimState, StoredResponse
+from .._errors import BackendUnavailable
 from .._log import GenerationInfo
 from ._durable import (
-    BackendUnavailable,
     FlushBatch,
     claim_from_row,
     encode_response,
