@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from array import array
@@ -239,11 +240,21 @@ class DurableBackend:
     async def _open(self) -> None:
         try:
             await self.store.open()
-        except BackendUnavailable:
+        except BaseException:
             self._opening = None
             raise
+        try:
+            interrupted = await self.store.sweep(self.ttl)
+        except BaseException as exc:
+            self._opening = None
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.store.aclose())
+            if isinstance(exc, Exception) and not isinstance(exc, BackendUnavailable):
+                raise BackendUnavailable(
+                    f"{self.url} was opened but the first sweep failed ({exc}); retry"
+                ) from exc
+            raise
         self._flush_lock = asyncio.Lock()
-        interrupted = await self.store.sweep(self.ttl)
         if interrupted:
             logger.warning(
                 "marked %d generation(s) interrupted: their owner stopped renewing its lease",
