@@ -25,7 +25,11 @@ class Status(enum.StrEnum):
 
 
 class GenerationInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``GET {resume_prefix}/{id}`` reports about a generation."""
+    """What ``GET {resume_prefix}/{id}`` reports about a generation.
+
+    ``created_at`` and ``finished_at`` are Unix seconds by the producing process's clock,
+    to the microsecond, the same whether read from the live log or from a database.
+    """
 
     id: str
     status: Status
@@ -40,6 +44,12 @@ class GenerationInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _READ_LIMIT = 1 << 20
+
+
+def now() -> float:
+    """Unix seconds to the microsecond: what a database timestamp keeps, so a stored time
+    reads back equal to the live one."""
+    return time.time_ns() // 1000 / 1e6
 
 
 class Generation:
@@ -79,7 +89,7 @@ class Generation:
         self._content_type = content_type
         # The response's raw headers; the content type is looked up only when needed.
         self._headers = headers
-        self.created_at = time.time()
+        self.created_at = now()
         self.chunks: list[bytes] = []
 
     @property
@@ -110,7 +120,7 @@ class Generation:
         self.status = status
         self.running = False
         self.error = error
-        self.finished_at = time.time()
+        self.finished_at = now()
         if self.waiters:
             self.wake()
         return True

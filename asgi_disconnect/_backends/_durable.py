@@ -33,15 +33,17 @@ class FlushBatch:
     owner: str
     lease: float
     ttl: float
-    # (id, principal, status_code, content_type, policy, detached)
-    created: list[tuple[str, str, int, str | None, str | None, bool]] = field(default_factory=list)
+    # (id, principal, status_code, content_type, policy, detached, created_at)
+    created: list[tuple[str, str, int, str | None, str | None, bool, float]] = field(
+        default_factory=list
+    )
     # (generation_id, start, data, sizes): the chunks one generation produced since the
     # last flush, joined into one row; ``sizes`` keeps their boundaries (uint32 array).
     chunks: list[tuple[str, int, bytes, bytes]] = field(default_factory=list)
     # (id, policy, detached)
     changed: list[tuple[str, str | None, bool]] = field(default_factory=list)
-    # (id, status, size, error)
-    finished: list[tuple[str, str, int, str | None]] = field(default_factory=list)
+    # (id, status, size, error, finished_at)
+    finished: list[tuple[str, str, int, str | None, float]] = field(default_factory=list)
     # (generation_id, principal, route, outcome, input_tokens, output_tokens, usage_source,
     #  the whole record as JSON)
     usage: list[UsageRow] = field(default_factory=list)
@@ -417,6 +419,7 @@ class DurableBackend:
                         generation.content_type,
                         generation.policy,
                         generation.detached,
+                        generation.created_at,
                     )
                 )
             count = len(generation.chunks)
@@ -443,7 +446,11 @@ class DurableBackend:
             if tracked.created and meta != tracked.meta:
                 batch.changed.append((generation.id, meta[0], meta[1]))
             if status is not Status.RUNNING and complete:
-                batch.finished.append((generation.id, status.value, start, generation.error))
+                finished_at = generation.finished_at
+                assert finished_at is not None
+                batch.finished.append(
+                    (generation.id, status.value, start, generation.error, finished_at)
+                )
                 done.append(tracked)
         return batch, more, done
 

@@ -307,6 +307,7 @@ class PostgresStore:
                     [r[3] for r in batch.created],
                     batch.owner,
                     batch.lease,
+                    [r[6] for r in batch.created],
                 )
             if batch.chunks:
                 await conn.execute(
@@ -341,6 +342,7 @@ class PostgresStore:
                     [r[3] for r in batch.finished],
                     batch.owner,
                     batch.ttl,
+                    [r[4] for r in batch.finished],
                 )
             touched = sorted(batch.touched())
             payload: list[str] = []
@@ -516,11 +518,12 @@ def _statements(t: str) -> dict[str, str]:
         "create": f"""
             insert into {t}generations
                 (id, principal, status, policy, detached, status_code, content_type, owner,
-                 lease_until)
+                 lease_until, created_at)
             select id, principal, 'running', policy, detached, status_code, content_type, $7,
-                   {lease}
-            from unnest($1::text[], $2::text[], $3::text[], $4::boolean[], $5::int[], $6::text[])
-                as r(id, principal, policy, detached, status_code, content_type)
+                   {lease}, to_timestamp(created_at)
+            from unnest($1::text[], $2::text[], $3::text[], $4::boolean[], $5::int[], $6::text[],
+                        $9::float8[])
+                as r(id, principal, policy, detached, status_code, content_type, created_at)
             on conflict (id) do nothing""",
         "chunks": f"""
             insert into {t}chunks (generation_id, start, data, sizes)
@@ -536,10 +539,11 @@ def _statements(t: str) -> dict[str, str]:
             where g.id = r.id and g.owner = $4""",
         "finished": f"""
             update {t}generations g
-            set status = r.status, size = r.size, error = r.error, finished_at = now(),
+            set status = r.status, size = r.size, error = r.error,
+                finished_at = to_timestamp(r.finished_at),
                 expires_at = now() + make_interval(secs => $6), lease_until = null
-            from unnest($1::text[], $2::text[], $3::bigint[], $4::text[])
-                as r(id, status, size, error)
+            from unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $7::float8[])
+                as r(id, status, size, error, finished_at)
             where g.id = r.id and g.owner = $5 and g.status = 'running'""",
         "heartbeat": f"""
             update {t}generations set lease_until = now() + make_interval(secs => $2)

@@ -399,11 +399,11 @@ def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:
         db.executemany(
             "insert into asgi_disconnect_generations (id, principal, status, policy, detached, "
             "status_code, content_type, owner, lease_until, created_at) "
-            f"values (?, ?, 'running', ?, ?, ?, ?, ?, {_NOW} + ?, {_NOW}) "
+            f"values (?, ?, 'running', ?, ?, ?, ?, ?, {_NOW} + ?, ?) "
             "on conflict (id) do nothing",
             [
-                (gid, principal, policy, int(detached), code, ctype, batch.owner, batch.lease)
-                for gid, principal, code, ctype, policy, detached in batch.created
+                (gid, principal, policy, int(detached), code, ctype, batch.owner, batch.lease, at)
+                for gid, principal, code, ctype, policy, detached, at in batch.created
             ],
         )
     if batch.chunks:
@@ -437,10 +437,10 @@ def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:
         # Fenced by the owner token: a generation swept as interrupted stays so.
         db.executemany(
             f"update asgi_disconnect_generations set status = ?, size = ?, error = ?, "
-            f"finished_at = {_NOW}, expires_at = {_NOW} + ?, lease_until = null "
+            f"finished_at = ?, expires_at = {_NOW} + ?, lease_until = null "
             "where id = ? and owner = ? and status = 'running'",
             [
-                (status, size, error, batch.ttl, gid, batch.owner)
-                for gid, status, size, error in batch.finished
+                (status, size, error, at, batch.ttl, gid, batch.owner)
+                for gid, status, size, error, at in batch.finished
             ],
         )
