@@ -253,7 +253,7 @@ class DurableBackend:
                 await asyncio.shield(self.store.aclose())
             if isinstance(exc, Exception) and not isinstance(exc, BackendUnavailable):
                 raise BackendUnavailable(
-                    f"{self.url} was opened but the first sweep failed ({exc}); retry"
+                    f"cannot prepare {self.url}: the first sweep failed ({exc}); retry"
                 ) from exc
             raise
         self._flush_lock = asyncio.Lock()

@@ -111,14 +111,16 @@ def _prepare_failure(exc: BaseException, schema: str) -> str:
     sqlstate = getattr(exc, "sqlstate", None)
     if sqlstate == "42501":
         return (
-            f"{exc}; let the role create the schema and its tables "
-            f"(GRANT CREATE ON DATABASE), or create schema {schema!r} for it"
+            f"{exc}; grant the role CREATE on the database, or create the schema for it "
+            f"(CREATE SCHEMA {_identifier(schema)} AUTHORIZATION the_role)"
         )
     if sqlstate == "55P03":
-        return f"{exc}; another process holds the schema lock, retry once it is done"
+        return f"{exc}; another process held the schema lock for over 15 s, retry"
     if sqlstate is not None:
         return f"{exc} (SQLSTATE {sqlstate}); the server's log says more"
-    return f"{exc}; the connection was lost while preparing the schema, retry"
+    if isinstance(exc, TimeoutError):
+        return "no answer while preparing the schema; retry, and check the server's load"
+    return f"{exc or type(exc).__name__}; retry, and see the server's log if it persists"
 
 
 class PostgresStore:
