@@ -245,14 +245,16 @@ class PostgresStore:
             try:
                 if self._listener is None or self._listener.is_closed():
                     await self._drop_listener()
-                    conn = await self.pool.acquire(timeout=10)
-                    await conn.add_listener(self.channel, self._notified)
-                    self._listener = conn
+                    # Held from here on, so that aclose() releases it even when LISTEN is
+                    # cancelled half-way; a lost connection makes the pool's close() hang.
+                    self._listener = await self.pool.acquire(timeout=10)
+                    await self._listener.add_listener(self.channel, self._notified)
                     self._wake_all()  # anything missed while not listening
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 logger.debug("LISTEN on %s failed (%s); polling meanwhile", self.url, exc)
+                await self._drop_listener()
             await asyncio.sleep(self.poll_interval)
 
     async def _drop_listener(self) -> None:

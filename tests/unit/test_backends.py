@@ -7,6 +7,7 @@ import random
 import re
 import time
 
+import anyio
 import asyncpg
 import pytest
 
@@ -426,3 +427,13 @@ async def test_times_survive_the_database_exactly(
             assert (info.created_at, info.finished_at) == expected
     finally:
         await backend.aclose()
+
+
+async def test_postgres_closes_at_once_even_right_after_opening(postgres_url: str) -> None:
+    # Closing while the listening connection is still being set up must not lose it,
+    # or the pool's close waits for it (10 s) on every such shutdown.
+    for _ in range(40):
+        backend = durable(postgres_url)
+        await backend.open()
+        with anyio.fail_after(3):
+            await backend.aclose()
