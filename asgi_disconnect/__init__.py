@@ -17,6 +17,7 @@ from ._contract import (
     default_principal,
 )
 from ._disconnect import DisconnectMiddleware
+from ._errors import AsgiDisconnectError
 from ._idempotency import IdempotencyKeyRequired, IdempotencyMiddleware, idempotent
 from ._metering import MeteringMiddleware, estimate_tokens
 from ._policy import Policy, disconnect_policy
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from starlette.types import Scope
 
 __all__ = [
+    "AsgiDisconnectError",
     "Backend",
     "BackendUnavailable",
     "Claim",

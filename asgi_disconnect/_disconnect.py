@@ -270,6 +270,10 @@ class DisconnectMiddleware:
         return False
 
 
+_NO_LIFESPAN = (
+    "interrupted with its request: the server runs without the lifespan protocol, so "
+    "detached work cannot outlive the request that started it"
+)
 _TWICE = (
     "DisconnectMiddleware is installed twice on this app; each response would carry two "
     "generation ids. Add it once (install() adds it for you)."
@@ -314,6 +318,7 @@ class _Exchange:
     wake_reason: str | None = None
     watcher: asyncio.Task[Any] | None = None
     cancelled_by_policy = False
+    interrupt_reason = "interrupted before it finished"
 
     def __init__(
         self,
@@ -341,14 +346,19 @@ class _Exchange:
                     _STATUS_FAILED, "the app returned before its response was complete"
                 )
         elif isinstance(failure, asyncio.CancelledError):
-            if self.cancelled_by_policy:
+            refused = self.writer.error if self.writer is not None else None
+            if refused is not None:
+                # The server refused a send; the app was stopped for it.
+                self.app_outcome = "failed"
+                self._record_end(_STATUS_FAILED, f"the server refused a send: {refused!r}"[:500])
+            elif self.cancelled_by_policy:
                 self.app_outcome = "cancelled"
                 self._record_end(_STATUS_CANCELLED, "cancelled after the client disconnected")
             else:
                 self.app_outcome = "interrupted"
                 if generation is not None and generation.running:
                     self.mw.counters.interrupted += 1
-                self._record_end(_STATUS_INTERRUPTED, "interrupted before it finished")
+                self._record_end(_STATUS_INTERRUPTED, self.interrupt_reason)
         else:
             self.app_outcome = "failed"
             self._failed(failure)
@@ -481,8 +491,9 @@ class _Exchange:
                     watcher.cancel()
                 self._finish()
         writer = self.writer
-        if writer is not None and writer.error is not None and failure is None:
-            raise writer.error
+        refused = writer.error if writer is not None else None
+        if refused is not None and (failure is None or self.cancelled_by_policy):
+            raise refused
 
     def _start_watcher(self) -> None:
         if self.watcher is None and not self._delivered():
@@ -516,6 +527,7 @@ class _Exchange:
             await self._client_lost(reason)
             if not app_task.done():
                 return
+        self._finish()
         error = self.app_error or self._send_error()
         if error is not None and not self.state.detached:
             self.app_error = None
@@ -528,7 +540,13 @@ class _Exchange:
         writer = self.writer
         if writer is not None:
             writer.lost("client")
-        if app_task.done() or self.state.detached:
+        if app_task.done():
+            return
+        if self.state.detached:
+            if not self.mw.supervisor.started:
+                # Without the lifespan protocol the work ends with its request.
+                app_task.cancel()
+                await wait_bounded(app_task, _TEARDOWN_TIMEOUT)
             return
         policy = self.mw.resolve(self.scope) if self.app_outcome is None else Policy.CANCEL
         if policy is Policy.DETACH and self.mw.owns_detached() and not self.mw.supervisor.stopping:
@@ -638,6 +656,8 @@ class _Exchange:
                 # Predicted cancel-only, yet it detached: it stays tied to this request.
                 mw._cancel_only[(self.scope["method"], self.scope["path"])] = False
             elif not mw.owns_detached():
+                # Without the lifespan protocol nothing but this request owns the work.
+                self.interrupt_reason = _NO_LIFESPAN
                 await join(runner)
             return
         state.policy = policy

@@ -17,6 +17,7 @@ from urllib.parse import parse_qsl
 
 from ._aio import shielded
 from ._contract import RequestState, default_principal, request_state
+from ._errors import AsgiDisconnectError
 from ._lifecycle import lifecycle_of
 from ._problem import problem_body, send_problem
 from ._records import Claim, ClaimState, StoredResponse
@@ -53,7 +54,7 @@ _F = TypeVar("_F", bound="Callable[..., Any]")
 _key_state: ContextVar[str | None] = ContextVar("asgi_disconnect_idempotency", default=None)
 
 
-class IdempotencyKeyRequired(Exception):
+class IdempotencyKeyRequired(AsgiDisconnectError):
     """Raised by an ``@idempotent(required=True)`` endpoint called without a key."""
 
 

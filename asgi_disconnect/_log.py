@@ -12,10 +12,16 @@ from ._records import GenerationInfo, Status
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-__all__ = ["Generation"]
+__all__ = ["Generation", "now"]
 
 
 _READ_LIMIT = 1 << 20
+
+
+def now() -> float:
+    """Unix seconds to the microsecond: what a database timestamp keeps, so a stored time
+    reads back equal to the live one."""
+    return time.time_ns() // 1000 / 1e6
 
 
 class Generation:
@@ -55,7 +61,7 @@ class Generation:
         self._content_type = content_type
         # The response's raw headers; the content type is looked up only when needed.
         self._headers = headers
-        self.created_at = time.time()
+        self.created_at = now()
         self.chunks: list[bytes] = []
 
     @property
@@ -86,7 +92,7 @@ class Generation:
         self.status = status
         self.running = False
         self.error = error
-        self.finished_at = time.time()
+        self.finished_at = now()
         if self.waiters:
             self.wake()
         return True

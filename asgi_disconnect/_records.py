@@ -25,7 +25,11 @@ class Status(enum.StrEnum):
 
 
 class GenerationInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``GET {resume_prefix}/{id}`` reports about a generation."""
+    """What ``GET {resume_prefix}/{id}`` reports about a generation.
+
+    ``created_at`` and ``finished_at`` are Unix seconds by the producing process's clock,
+    to the microsecond, the same whether read from the live log or from a database.
+    """
 
     id: str
     status: Status

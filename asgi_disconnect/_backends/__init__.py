@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .._contract import Backend
-from ._durable import BackendUnavailable, DurableBackend
+from .._errors import BackendUnavailable
+from ._durable import DurableBackend
 from ._memory import MemoryBackend
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ def connect(
     pool: asyncpg.Pool | None = None,
     schema: str | None = None,
     poll_interval: float | None = None,
+    connect_timeout: float | None = None,
     **options: Any,
 ) -> Backend:
     """The backend for ``url``.
@@ -30,10 +32,14 @@ def connect(
       for several worker processes on one machine;
     - ``postgresql://user:password@host/db`` (``?schema=name`` or ``schema=``), or
       ``pool=`` an existing asyncpg pool with ``url="postgresql://"``: several replicas.
+      Connecting gives up after ``connect_timeout`` seconds (``?connect_timeout=`` or
+      ``connect_timeout=``, default 5); a refused connection fails at once.
 
     Durable backends take ``flush_interval`` (default 0.05 s), ``flush_max_bytes``,
     ``lease``, ``sweep_interval``, ``ttl`` (default one day) and ``reap_interval``.
-    Nothing connects until ``open()`` (the middleware calls it at lifespan startup).
+    Nothing connects until ``open()`` (the middleware calls it at lifespan startup), which
+    raises :class:`BackendUnavailable` saying why and what to do if the store cannot be
+    opened. A malformed URL or option is a ``ValueError`` at once.
     """
     scheme, sep, rest = url.partition("://")
     if not sep:
@@ -49,19 +55,41 @@ def connect(
         sqlite = SQLiteStore(rest[1:], url=url, poll_interval=poll_interval or 0.05)
         return DurableBackend(sqlite, **options)
     if scheme in ("postgresql", "postgres"):
-        from ._postgres import PostgresStore
+        from ._postgres import PostgresStore, mask_url
 
         parts = urlsplit(url)
+        if parts.netloc.count("@") > 1:
+            # asyncpg splits at the first '@', so the rest of the password would be the host.
+            raise ValueError(
+                f"percent-encode '@' in the user name or password as %40, in {mask_url(url)!r}"
+            )
+        try:
+            bad_port = parts.port == 0
+        except ValueError:  # not a number, or past 65535
+            bad_port = True
+        if bad_port:
+            raise ValueError(f"the port must be a number in 1-65535, in {mask_url(url)!r}")
         query = parse_qsl(parts.query, keep_blank_values=True)
-        schema = schema or next((v for k, v in query if k == "schema"), None) or "public"
+        ours = {k: v for k, v in query if k in ("schema", "connect_timeout")}
+        schema = schema or ours.get("schema") or "public"
+        if connect_timeout is None:
+            try:
+                connect_timeout = float(ours.get("connect_timeout") or 5.0)
+            except ValueError:
+                raise ValueError(
+                    f"connect_timeout must be a number of seconds, in {mask_url(url)!r}"
+                ) from None
+        # Ours, not asyncpg's, which would send them to the server as settings.
         dsn = urlunsplit(
-            parts._replace(query=urlencode([(k, v) for k, v in query if k != "schema"]))
+            parts._replace(query=urlencode([(k, v) for k, v in query if k not in ours]))
         )
         postgres = PostgresStore(
             None if pool is not None else dsn,
             pool=pool,
             schema=schema,
             poll_interval=poll_interval or 1.0,
+            connect_timeout=connect_timeout,
+            url=None if pool is not None else url,
         )
         return DurableBackend(postgres, **options)
     raise ValueError(

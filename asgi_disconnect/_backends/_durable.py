@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from array import array
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from .._errors import BackendUnavailable
 from .._log import Generation
 from .._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
 
@@ -18,13 +20,9 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
 
-__all__ = ["BackendUnavailable", "DurableBackend", "FlushBatch", "SQLStore"]
+__all__ = ["DurableBackend", "FlushBatch", "SQLStore"]
 
 logger = logging.getLogger("asgi_disconnect")
-
-
-class BackendUnavailable(ConnectionError):
-    """The store cannot be reached; the message names its URL, password masked."""
 
 
 @dataclass
@@ -34,15 +32,17 @@ class FlushBatch:
     owner: str
     lease: float
     ttl: float
-    # (id, principal, status_code, content_type, policy, detached)
-    created: list[tuple[str, str, int, str | None, str | None, bool]] = field(default_factory=list)
+    # (id, principal, status_code, content_type, policy, detached, created_at)
+    created: list[tuple[str, str, int, str | None, str | None, bool, float]] = field(
+        default_factory=list
+    )
     # (generation_id, start, data, sizes): the chunks one generation produced since the
     # last flush, joined into one row; ``sizes`` keeps their boundaries (uint32 array).
     chunks: list[tuple[str, int, bytes, bytes]] = field(default_factory=list)
     # (id, policy, detached)
     changed: list[tuple[str, str | None, bool]] = field(default_factory=list)
-    # (id, status, size, error)
-    finished: list[tuple[str, str, int, str | None]] = field(default_factory=list)
+    # (id, status, size, error, finished_at)
+    finished: list[tuple[str, str, int, str | None, float]] = field(default_factory=list)
     # (generation_id, principal, route, outcome, input_tokens, output_tokens, usage_source,
     #  the whole record as JSON)
     usage: list[UsageRow] = field(default_factory=list)
@@ -241,11 +241,21 @@ class DurableBackend:
     async def _open(self) -> None:
         try:
             await self.store.open()
-        except BackendUnavailable:
+        except BaseException:
             self._opening = None
             raise
+        try:
+            interrupted = await self.store.sweep(self.ttl)
+        except BaseException as exc:
+            self._opening = None
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.store.aclose())
+            if isinstance(exc, Exception) and not isinstance(exc, BackendUnavailable):
+                raise BackendUnavailable(
+                    f"cannot prepare {self.url}: the first sweep failed ({exc}); retry"
+                ) from exc
+            raise
         self._flush_lock = asyncio.Lock()
-        interrupted = await self.store.sweep(self.ttl)
         if interrupted:
             logger.warning(
                 "marked %d generation(s) interrupted: their owner stopped renewing its lease",
@@ -407,6 +417,7 @@ class DurableBackend:
                         generation.content_type,
                         generation.policy,
                         generation.detached,
+                        generation.created_at,
                     )
                 )
             count = len(generation.chunks)
@@ -433,7 +444,11 @@ class DurableBackend:
             if tracked.created and meta != tracked.meta:
                 batch.changed.append((generation.id, meta[0], meta[1]))
             if status is not Status.RUNNING and complete:
-                batch.finished.append((generation.id, status.value, start, generation.error))
+                finished_at = generation.finished_at
+                assert finished_at is not None
+                batch.finished.append(
+                    (generation.id, status.value, start, generation.error, finished_at)
+                )
                 done.append(tracked)
         return batch, more, done
 

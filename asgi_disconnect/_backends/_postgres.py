@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import logging
 import re
+import socket
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
+from .._errors import BackendUnavailable
 from .._records import Claim, ClaimState, GenerationInfo, StoredResponse
 from ._durable import (
-    BackendUnavailable,
     FlushBatch,
     claim_from_row,
     encode_response,
@@ -27,6 +29,7 @@ logger = logging.getLogger("asgi_disconnect")
 
 SCHEMA_VERSION = 1
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*")
 _NOTIFY_PAYLOAD = 7000
 
 
@@ -44,8 +47,79 @@ async def _rollback_if_needed(conn: Any) -> None:
 
 
 def mask_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    """``url`` with its password, in the user part or as ``?password=``, replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if sep:
+        # Up to the last '@' before the query: a password may hold an unencoded '@' or '/',
+        # and masking too much is better than showing some of it.
+        end = min((i for i in map(rest.find, "?#") if i >= 0), default=len(rest))
+        userinfo, at, after = rest[:end].rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        if at and colon and "/" not in user:
+            rest = f"{user}:***@{after}{rest[end:]}"
+        url = f"{scheme}{sep}{rest}"
+    return _QUERY_PASSWORD.sub(r"\1***", url)
+
+
+def _identifier(name: str) -> str:
+    return name if _SCHEMA_NAME.fullmatch(name) else '"' + name.replace('"', '""') + '"'
+
+
+def _connect_failure(exc: BaseException, dsn: str, timeout: float) -> str:
+    """Why connecting failed and what to do about it, for a ``BackendUnavailable``."""
+    try:
+        parts = urlsplit(dsn)
+        host, port = parts.hostname, parts.port or 5432
+        user, database = parts.username, parts.path.lstrip("/") or parts.username
+    except ValueError:
+        host = user = database = None
+        port = 5432
+    where = f"{host}:{port}" if host else "the server"
+    if isinstance(exc, TimeoutError):
+        return (
+            f"no answer from {where} within {timeout:g} s; check the host, the port and any "
+            "firewall between, or give connect_timeout= more time"
+        )
+    if isinstance(exc, ConnectionRefusedError):
+        return f"connection refused: nothing listens at {where}; start PostgreSQL or fix the URL"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the host {host!r} ({exc.strerror}); fix the host in the URL"
+    sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate == "28000":
+        role = f"CREATE ROLE {_identifier(user)} LOGIN" if user else "CREATE ROLE ... LOGIN"
+        return (
+            f"{exc}; fix the user name in the URL, or create the role ({role}) "
+            "and let it connect in pg_hba.conf"
+        )
+    if sqlstate == "28P01":
+        return f"{exc}; fix the password in the URL (or in PGPASSWORD or ~/.pgpass)"
+    if sqlstate == "3D000":
+        create = f"CREATE DATABASE {_identifier(database)}" if database else "CREATE DATABASE"
+        return f"{exc}; fix the database name in the URL, or create it ({create})"
+    if sqlstate == "53300":
+        return f"{exc}; raise the server's max_connections or lower max_size"
+    if sqlstate is not None:
+        return f"{exc} (SQLSTATE {sqlstate}); the server's log says more"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}; check the host and port in the URL"
+    return f"{exc}; check the URL"
+
+
+def _prepare_failure(exc: BaseException, schema: str) -> str:
+    """Why creating or checking the schema failed and what to do about it."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate == "42501":
+        return (
+            f"{exc}; grant the role CREATE on the database, or create the schema for it "
+            f"(CREATE SCHEMA {_identifier(schema)} AUTHORIZATION the_role)"
+        )
+    if sqlstate == "55P03":
+        return f"{exc}; another process held the schema lock for over 15 s, retry"
+    if sqlstate is not None:
+        return f"{exc} (SQLSTATE {sqlstate}); the server's log says more"
+    if isinstance(exc, TimeoutError):
+        return "no answer while preparing the schema; retry, and check the server's load"
+    return f"{exc or type(exc).__name__}; retry, and see the server's log if it persists"
 
 
 class PostgresStore:
@@ -66,13 +140,19 @@ class PostgresStore:
         poll_interval: float = 1.0,
         min_size: int = 1,
         max_size: int = 4,
+        connect_timeout: float = 5.0,
+        url: str | None = None,
     ) -> None:
         if dsn is None and pool is None:
             raise ValueError("PostgresStore needs a DSN or a pool")
         if not _SCHEMA_NAME.fullmatch(schema):
             raise ValueError(f"schema must be a lower-case SQL identifier, not {schema!r}")
+        if not connect_timeout > 0:
+            raise ValueError("connect_timeout must be positive")
         self.dsn = dsn
-        self.url = mask_url(dsn) if dsn else "postgresql://(pool)"
+        shown = url or dsn
+        self.url = mask_url(shown) if shown else "postgresql://(pool)"
+        self.connect_timeout = connect_timeout
         self.schema = schema
         self.poll_interval = poll_interval
         self._pool = pool
@@ -93,22 +173,31 @@ class PostgresStore:
         return self._pool
 
     async def open(self) -> None:
-        import asyncpg
+        try:
+            import asyncpg
+        except ImportError as exc:
+            raise BackendUnavailable(
+                f"cannot connect to {self.url}: the PostgreSQL backend needs asyncpg, which is "
+                "not installed; pip install 'asgi-disconnect[postgres]'"
+            ) from exc
 
         if self._pool is None:
+            assert self.dsn is not None
             try:
                 self._pool = await asyncpg.create_pool(
                     self.dsn,
                     min_size=self._min_size,
                     max_size=self._max_size,
-                    timeout=10,
+                    # Bounds connecting and authenticating; a refused connection fails at once.
+                    timeout=self.connect_timeout,
                     command_timeout=30,
                     # The pool is ours alone: skip asyncpg's reset query, a round trip per
                     # release (a claim must cost one round trip, not two).
                     reset=_rollback_if_needed,
                 )
-            except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
-                raise BackendUnavailable(f"cannot connect to {self.url}: {exc}") from exc
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                why = _connect_failure(exc, self.dsn, self.connect_timeout)
+                raise BackendUnavailable(f"cannot connect to {self.url}: {why}") from exc
         try:
             async with self.pool.acquire(timeout=10) as conn, conn.transaction():
                 await conn.execute("set local lock_timeout = '15s'")
@@ -132,8 +221,9 @@ class PostgresStore:
             if self._own_pool:
                 await _close_pool(self.pool)
                 self._pool = None
-            if isinstance(exc, (OSError, asyncpg.PostgresError)):
-                raise BackendUnavailable(f"cannot prepare {self.url}: {exc}") from exc
+            if isinstance(exc, (OSError, asyncpg.PostgresError, asyncpg.InterfaceError)):
+                why = _prepare_failure(exc, self.schema)
+                raise BackendUnavailable(f"cannot prepare {self.url}: {why}") from exc
             raise
         self._listening = asyncio.ensure_future(self._listen_forever())
 
@@ -154,14 +244,16 @@ class PostgresStore:
             try:
                 if self._listener is None or self._listener.is_closed():
                     await self._drop_listener()
-                    conn = await self.pool.acquire(timeout=10)
-                    await conn.add_listener(self.channel, self._notified)
-                    self._listener = conn
+                    # Held from here on, so that aclose() releases it even when LISTEN is
+                    # cancelled half-way; a lost connection makes the pool's close() hang.
+                    self._listener = await self.pool.acquire(timeout=10)
+                    await self._listener.add_listener(self.channel, self._notified)
                     self._wake_all()  # anything missed while not listening
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 logger.debug("LISTEN on %s failed (%s); polling meanwhile", self.url, exc)
+                await self._drop_listener()
             await asyncio.sleep(self.poll_interval)
 
     async def _drop_listener(self) -> None:
@@ -218,6 +310,7 @@ class PostgresStore:
                     [r[3] for r in batch.created],
                     batch.owner,
                     batch.lease,
+                    [r[6] for r in batch.created],
                 )
             if batch.chunks:
                 await conn.execute(
@@ -252,6 +345,7 @@ class PostgresStore:
                     [r[3] for r in batch.finished],
                     batch.owner,
                     batch.ttl,
+                    [r[4] for r in batch.finished],
                 )
             touched = sorted(batch.touched())
             payload: list[str] = []
@@ -427,11 +521,12 @@ def _statements(t: str) -> dict[str, str]:
         "create": f"""
             insert into {t}generations
                 (id, principal, status, policy, detached, status_code, content_type, owner,
-                 lease_until)
+                 lease_until, created_at)
             select id, principal, 'running', policy, detached, status_code, content_type, $7,
-                   {lease}
-            from unnest($1::text[], $2::text[], $3::text[], $4::boolean[], $5::int[], $6::text[])
-                as r(id, principal, policy, detached, status_code, content_type)
+                   {lease}, to_timestamp(created_at)
+            from unnest($1::text[], $2::text[], $3::text[], $4::boolean[], $5::int[], $6::text[],
+                        $9::float8[])
+                as r(id, principal, policy, detached, status_code, content_type, created_at)
             on conflict (id) do nothing""",
         "chunks": f"""
             insert into {t}chunks (generation_id, start, data, sizes)
@@ -447,10 +542,11 @@ def _statements(t: str) -> dict[str, str]:
             where g.id = r.id and g.owner = $4""",
         "finished": f"""
             update {t}generations g
-            set status = r.status, size = r.size, error = r.error, finished_at = now(),
+            set status = r.status, size = r.size, error = r.error,
+                finished_at = to_timestamp(r.finished_at),
                 expires_at = now() + make_interval(secs => $6), lease_until = null
-            from unnest($1::text[], $2::text[], $3::bigint[], $4::text[])
-                as r(id, status, size, error)
+            from unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $7::float8[])
+                as r(id, status, size, error, finished_at)
             where g.id = r.id and g.owner = $5 and g.status = 'running'""",
         "heartbeat": f"""
             update {t}generations set lease_until = now() + make_interval(secs => $2)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .._errors import BackendUnavailable
 from .._records import Claim, ClaimState, GenerationInfo, StoredResponse
 from ._durable import (
-    BackendUnavailable,
     FlushBatch,
     claim_from_row,
     encode_response,
@@ -116,6 +117,42 @@ where id = ? and (expires_at is null or expires_at > {_NOW})
 """
 
 
+def _open_failure(exc: sqlite3.Error | OSError, path: str) -> str:
+    """Why SQLite could not open ``path`` and what to do about it.
+
+    SQLite says "unable to open database file" for most causes, so look at the path.
+    """
+    if path in ("", ":memory:"):
+        return str(exc)
+    target = os.path.abspath(path)
+    parent = os.path.dirname(target)
+    if os.path.isdir(target):
+        example = os.path.join(path, "generations.db")
+        return (
+            f"{target} is a directory, not a database file; name a file in it, "
+            f"such as 'sqlite:///{example}'"
+        )
+    if not os.path.exists(parent):
+        return f"the directory {parent} does not exist; create it or fix the path in the URL"
+    if not os.path.isdir(parent):
+        return f"{parent} is not a directory; fix the path in the URL"
+    if not os.access(parent, os.W_OK) or (
+        os.path.exists(target) and not os.access(target, os.R_OK | os.W_OK)
+    ):
+        return (
+            f"this process may not write {target} and its directory ({exc}); "
+            "fix the permissions or choose another path"
+        )
+    if getattr(exc, "sqlite_errorname", None) == "SQLITE_NOTADB":
+        return (
+            f"{target} is not a SQLite database ({exc}); point the URL at a new file "
+            "or at a database this package created"
+        )
+    if getattr(exc, "sqlite_errorname", None) in ("SQLITE_BUSY", "SQLITE_LOCKED"):
+        return f"another process kept {target} locked for over 10 s ({exc}); retry"
+    return f"{exc}; check that {target} is a SQLite database this process can read and write"
+
+
 class SQLiteStore:
     """One connection per process, used from one thread, so the event loop never blocks.
 
@@ -138,19 +175,22 @@ class SQLiteStore:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="asgi-disconnect-sqlite")
         try:
             await self._run(self._open)
-        except sqlite3.Error as exc:
+        except BaseException as exc:
             self._executor.shutdown(wait=False)
             self._executor = None
-            raise BackendUnavailable(f"cannot open {self.url}: {exc}") from exc
+            if isinstance(exc, (sqlite3.Error, OSError)):
+                why = _open_failure(exc, self.path)
+                raise BackendUnavailable(f"cannot open {self.url}: {why}") from exc
+            raise
 
     def _open(self) -> None:
         db = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
-        db.execute("pragma busy_timeout = 10000")
-        db.execute("pragma journal_mode = wal")
-        # In WAL mode NORMAL survives a process crash; only an OS crash can lose a commit.
-        db.execute("pragma synchronous = normal")
-        db.execute("begin immediate")
         try:
+            db.execute("pragma busy_timeout = 10000")
+            db.execute("pragma journal_mode = wal")
+            # In WAL mode NORMAL survives a process crash; only an OS crash can lose a commit.
+            db.execute("pragma synchronous = normal")
+            db.execute("begin immediate")
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
@@ -163,13 +203,14 @@ class SQLiteStore:
                     (str(SCHEMA_VERSION),),
                 )
             elif int(row[0]) > SCHEMA_VERSION:
-                raise sqlite3.DatabaseError(
-                    f"schema version {row[0]} is newer than this package supports "
-                    f"({SCHEMA_VERSION}); upgrade asgi-disconnect"
+                raise BackendUnavailable(
+                    f"{self.url} has schema version {row[0]}, newer than this package "
+                    f"supports ({SCHEMA_VERSION}); upgrade asgi-disconnect"
                 )
             db.execute("commit")
         except BaseException:
-            db.execute("rollback")
+            if db.in_transaction:
+                db.execute("rollback")
             db.close()
             raise
         self._db = db
@@ -357,11 +398,11 @@ def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:
         db.executemany(
             "insert into asgi_disconnect_generations (id, principal, status, policy, detached, "
             "status_code, content_type, owner, lease_until, created_at) "
-            f"values (?, ?, 'running', ?, ?, ?, ?, ?, {_NOW} + ?, {_NOW}) "
+            f"values (?, ?, 'running', ?, ?, ?, ?, ?, {_NOW} + ?, ?) "
             "on conflict (id) do nothing",
             [
-                (gid, principal, policy, int(detached), code, ctype, batch.owner, batch.lease)
-                for gid, principal, code, ctype, policy, detached in batch.created
+                (gid, principal, policy, int(detached), code, ctype, batch.owner, batch.lease, at)
+                for gid, principal, code, ctype, policy, detached, at in batch.created
             ],
         )
     if batch.chunks:
@@ -395,10 +436,10 @@ def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:
         # Fenced by the owner token: a generation swept as interrupted stays so.
         db.executemany(
             f"update asgi_disconnect_generations set status = ?, size = ?, error = ?, "
-            f"finished_at = {_NOW}, expires_at = {_NOW} + ?, lease_until = null "
+            f"finished_at = ?, expires_at = {_NOW} + ?, lease_until = null "
             "where id = ? and owner = ? and status = 'running'",
             [
-                (status, size, error, batch.ttl, gid, batch.owner)
-                for gid, status, size, error in batch.finished
+                (status, size, error, at, batch.ttl, gid, batch.owner)
+                for gid, status, size, error, at in batch.finished
             ],
         )

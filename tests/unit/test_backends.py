@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import time
 
+import anyio
 import asyncpg
 import pytest
 
@@ -364,3 +366,74 @@ async def test_usage_records_are_stored(backend_url: str) -> None:
         assert await backend.usage_of("gen_" + "B" * 24) == []
     finally:
         await backend.aclose()
+
+
+
+async def test_created_at_and_finished_at_read_the_same_live_and_stored(backend_url: str) -> None:
+    # GET /generations/{id} answers from the live log while the generation runs here and
+    # from the database once it is flushed and done, or from another replica.
+    backend = connect(backend_url)
+    replica = connect(backend_url) if backend_url != "memory://" else backend
+    await backend.open()
+    await replica.open()
+    try:
+        generation = Generation(GID, principal="alice")
+        backend.register(generation)
+        generation.append(b"data: 1\n\n")
+        seen = [await backend.get(GID)]
+        if isinstance(backend, DurableBackend):
+            await settle(backend)
+        seen.append(await replica.get(GID))
+        generation.finish(Status.COMPLETE)
+        finished = [await backend.get(GID)]
+        if isinstance(backend, DurableBackend):
+            await settle(backend)
+        finished += [await backend.get(GID), await replica.get(GID)]
+    finally:
+        await backend.aclose()
+        await replica.aclose()
+    infos = [info for info in seen + finished if info is not None]
+    assert len(infos) == 5
+    assert [info.status for info in infos] == [Status.RUNNING] * 2 + [Status.COMPLETE] * 3
+    assert {info.created_at for info in infos} == {generation.created_at}
+    assert {info.finished_at for info in infos[2:]} == {generation.finished_at}
+    assert generation.finished_at is not None
+    assert generation.created_at <= generation.finished_at <= time.time()
+
+
+@pytest.mark.parametrize("store", ["sqlite_url", "postgres_url"])
+async def test_times_survive_the_database_exactly(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    # Times are kept to the microsecond: any such float must read back unchanged.
+    rng = random.Random(7)
+    backend = durable(str(request.getfixturevalue(store)))
+    await backend.open()
+    times: dict[str, tuple[float, float]] = {}
+    try:
+        for i in range(300):
+            micros = rng.randrange(0, 4_000_000_000 * 10**6)
+            generation = Generation(f"gen_{i:024d}", principal="alice")
+            generation.created_at = micros / 1e6
+            backend.register(generation)
+            generation.finish(Status.COMPLETE)
+            generation.finished_at = (micros + rng.randrange(10**9)) / 1e6
+            times[generation.id] = (generation.created_at, generation.finished_at)
+        await settle(backend)
+        assert backend.pending_bytes() == 0
+        for generation_id, expected in times.items():
+            info = await backend.get(generation_id)
+            assert info is not None
+            assert (info.created_at, info.finished_at) == expected
+    finally:
+        await backend.aclose()
+
+
+async def test_postgres_closes_at_once_even_right_after_opening(postgres_url: str) -> None:
+    # Closing while the listening connection is still being set up must not lose it,
+    # or the pool's close waits for it (10 s) on every such shutdown.
+    for _ in range(40):
+        backend = durable(postgres_url)
+        await backend.open()
+        with anyio.fail_after(3):
+            await backend.aclose()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -93,6 +92,20 @@ def path_kind(request: pytest.FixtureRequest) -> str:
     """Both ways the middleware runs an app: in a supervised task, or inline in the request's
     own task (a route learnt to be cancel-only)."""
     return str(request.param)
+
+
+class Endpoint:
+    """A raw ASGI app as a Starlette route's endpoint, so routing marks the scope."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+def routed(app: Any, path: str = "/") -> Starlette:
+    return Starlette(routes=[Route(path, Endpoint(app))])
 
 
 async def warm(mw: DisconnectMiddleware, path: str, kind: str) -> None:
@@ -301,7 +314,8 @@ async def test_usage_is_flushed_before_the_backend_closes(tmp_path: Path) -> Non
         info = await reader.get(generation_id)
     finally:
         await reader.aclose()
-    assert info is not None and info.status == "complete"
+    assert info is not None
+    assert info.status == "complete"
     assert len(records) == 1
     assert records[0].detached
 
@@ -324,6 +338,9 @@ async def test_the_middleware_twice_fails_the_startup_and_each_request() -> None
     assert failed["type"] == "lifespan.startup.failed"
     assert "installed twice" in failed["message"]
     await server.task
+    # A server without the lifespan protocol finds out at the first request.
+    inner = DisconnectMiddleware(sse_app(Probe(), chunks=2, delay=0), backend=MemoryBackend())
+    outer = DisconnectMiddleware(inner, backend=MemoryBackend())
     with pytest.raises(RuntimeError, match="installed twice"):
         await drive(outer, path="/cancel")
 
@@ -341,7 +358,7 @@ async def test_trailers_follow_a_held_body(path_kind: str) -> None:
         await send({"type": "http.response.trailers", "headers": [(b"x-sum", b"7")],
                     "more_trailers": False})
 
-    mw = DisconnectMiddleware(app, backend=MemoryBackend())
+    mw = DisconnectMiddleware(routed(app), backend=MemoryBackend())
     seen: list[Message] = []
 
     async def run_once() -> RequestState:
@@ -370,7 +387,8 @@ async def test_trailers_follow_a_held_body(path_kind: str) -> None:
     assert body == b"one two"
     assert [m for m in seen if m["type"] == "http.response.body"][-1]["more_body"] is False
     assert state.ending is Ending.DELIVERED
-    assert state.generation is not None and state.generation.status == "complete"
+    assert state.generation is not None
+    assert state.generation.status == "complete"
 
 
 async def test_pathsend_ends_the_response_and_background_work_runs(tmp_path: Path) -> None:
@@ -403,7 +421,8 @@ async def test_pathsend_ends_the_response_and_background_work_runs(tmp_path: Pat
     assert background_done.is_set()
     state: RequestState = scope["asgi_disconnect"]
     assert state.ending is Ending.DELIVERED
-    assert state.generation is not None and state.generation.status == "complete"
+    assert state.generation is not None
+    assert state.generation.status == "complete"
     await eventually(lambda: records)
     assert records[0].outcome != "cancelled"
     assert records[0].policy is None
@@ -437,7 +456,8 @@ async def test_an_error_raised_by_a_waiting_send_reaches_the_server(path_kind: s
     assert unretrieved == []
     state: RequestState = scope["asgi_disconnect"]
     assert state.ending is Ending.FAILED
-    assert state.generation is not None and state.generation.status != "running"
+    assert state.generation is not None
+    assert state.generation.status != "running"
 
 
 # -- 13: a request cancelled by the server -----------------------------------------------
@@ -447,8 +467,10 @@ async def test_a_cancelled_request_returns_after_the_apps_teardown(path_kind: st
     teardown: list[str] = []
     started = asyncio.Event()
 
+    warming = True
+
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["path"] == "/warm":
+        if warming:
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"ok"})
             return
@@ -462,10 +484,10 @@ async def test_a_cancelled_request_returns_after_the_apps_teardown(path_kind: st
             await asyncio.sleep(0.05)  # a yield dependency's teardown, say
             teardown.append("done")
 
-    mw = DisconnectMiddleware(app, backend=MemoryBackend())
+    mw = DisconnectMiddleware(routed(app), backend=MemoryBackend())
     if path_kind == "inline":
-        await drive(mw, path="/warm")
-        await drive(mw, path="/warm")
+        await drive(mw, path="/")
+    warming = False
     sends_after: list[Message] = []
     returned = False
 
@@ -517,13 +539,33 @@ async def test_without_lifespan_a_detached_request_cancelled_at_shutdown_is_mark
 
 
 def test_trio_is_refused_with_a_clear_message() -> None:
-    pytest.importorskip("trio")
+    trio = pytest.importorskip("trio")
     from starlette.testclient import TestClient
 
     mw = DisconnectMiddleware(sse_app(Probe(), chunks=2, delay=0), backend=MemoryBackend())
-    with pytest.raises(RuntimeError, match="runs on asyncio only"):
-        with TestClient(mw, backend="trio") as client:
-            client.get("/cancel")
+    client = TestClient(mw, backend="trio")
+    with pytest.raises(RuntimeError, match=r"runs on asyncio only, and this .* runs trio"):
+        client.get("/cancel")
+
+    sent: list[Message] = []
+
+    async def serve_lifespan() -> None:
+        messages = [{"type": "lifespan.startup"}]
+
+        async def receive() -> Message:
+            if messages:
+                return messages.pop(0)
+            await trio.sleep_forever()
+            raise AssertionError
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        await mw({"type": "lifespan", "state": {}}, receive, send)
+
+    trio.run(serve_lifespan)
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
+    assert "runs on asyncio only" in sent[0]["message"]
 
 
 # -- 19: what the middleware adds to an app ----------------------------------------------
@@ -546,7 +588,8 @@ async def test_excluded_paths_are_left_alone() -> None:
     )
     excluded = await drive(mw, path="/json")
     included = await drive(mw, path="/cancel")
-    assert excluded.status == 200 and excluded.header("x-generation-id") is None
+    assert excluded.status == 200
+    assert excluded.header("x-generation-id") is None
     assert included.header("x-generation-id") is not None
 
 
