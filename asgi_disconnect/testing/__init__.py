@@ -2,7 +2,8 @@
 
 - :func:`drive` calls an ASGI app in-process with a client that disconnects after N
   bytes or T seconds, or stops reading; :func:`lifespan` runs its startup/shutdown.
-- :func:`run_server` serves an app with uvicorn or hypercorn on loopback.
+- :func:`run_server` serves an app with uvicorn, hypercorn (HTTP/1.1 or h2c) or granian
+  on loopback.
 - :func:`request` and :func:`stalled_request` are raw-socket HTTP/1.1 clients that close
   mid-stream, or keep the socket open without reading.
 - :class:`FakeProvider` streams OpenAI-chat and Anthropic-messages SSE over real TCP and
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from ._driver import DriveResult, drive, lifespan
 from ._fake_provider import FakeProvider, ProviderRequest
-from ._servers import RunningServer, run_server
+from ._servers import SERVERS, RunningServer, ServerName, run_server
 from ._socket_client import ClientResult, StalledClient, request, stalled_request
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "FakeProvider",
     "ProviderRequest",
     "RunningServer",
+    "SERVERS",
+    "ServerName",
     "StalledClient",
     "drive",
     "lifespan",
