@@ -2,9 +2,12 @@
 
 - :func:`drive` calls an ASGI app in-process with a client that disconnects after N
   bytes or T seconds, or stops reading; :func:`lifespan` runs its startup/shutdown.
-- :func:`run_server` serves an app with uvicorn or hypercorn on loopback.
+- :func:`run_server` serves an app with uvicorn, hypercorn (HTTP/1.1 or h2c) or granian
+  on loopback.
 - :func:`request` and :func:`stalled_request` are raw-socket HTTP/1.1 clients that close
-  mid-stream, or keep the socket open without reading.
+  mid-stream, or keep the socket open without reading; :func:`h2_request` and
+  :func:`h2_stalled_request` do the same over HTTP/2, where stalling means a flow-control
+  window that is never reopened.
 - :class:`FakeProvider` streams OpenAI-chat and Anthropic-messages SSE over real TCP and
   records, per request, how many tokens it generated before its connection closed.
 """
@@ -13,7 +16,8 @@ from __future__ import annotations
 
 from ._driver import DriveResult, drive, lifespan
 from ._fake_provider import FakeProvider, ProviderRequest
-from ._servers import RunningServer, run_server
+from ._h2_client import h2_request, h2_stalled_request
+from ._servers import SERVERS, RunningServer, ServerName, run_server
 from ._socket_client import ClientResult, StalledClient, request, stalled_request
 
 __all__ = [
@@ -22,8 +26,12 @@ __all__ = [
     "FakeProvider",
     "ProviderRequest",
     "RunningServer",
+    "SERVERS",
+    "ServerName",
     "StalledClient",
     "drive",
+    "h2_request",
+    "h2_stalled_request",
     "lifespan",
     "request",
     "run_server",

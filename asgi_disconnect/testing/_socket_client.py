@@ -96,16 +96,23 @@ class _ChunkedDecoder:
             self.done = True
 
 
-class _ResponseParser:
-    """Incremental HTTP/1.1 response parser (head, then chunked, sized or read-to-close body)."""
+class _Response:
+    """What a client has read of one response so far, whatever the protocol."""
 
-    def __init__(self, method: str) -> None:
+    def __init__(self) -> None:
         self.status: int | None = None
         self.headers: dict[str, str] = {}
         self.headers_list: list[tuple[str, str]] = []
         self.body = bytearray()
         self.head_done = False
         self.complete = False
+
+
+class _ResponseParser(_Response):
+    """Incremental HTTP/1.1 response parser (head, then chunked, sized or read-to-close body)."""
+
+    def __init__(self, method: str) -> None:
+        super().__init__()
         self._head_only = method.upper() == "HEAD"
         self._buffer = bytearray()
         self._chunked: _ChunkedDecoder | None = None
@@ -204,6 +211,15 @@ async def _wait_readable(sock: socket.socket, deadline: float) -> bool:
     return True
 
 
+def _split_url(url: str) -> tuple[str, int, str, str]:
+    """``(host, port, target, authority)`` of an ``http://`` URL."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"only http://host[:port]/path URLs are supported, got {url!r}")
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return parts.hostname, parts.port or 80, target, parts.netloc.rpartition("@")[2]
+
+
 async def _connect(host: str, port: int, deadline: float, recv_buffer: int | None) -> socket.socket:
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -244,43 +260,36 @@ def _request_bytes(
 
 
 class _Exchange:
-    """One request/response on a non-blocking socket, read only when asked to."""
+    """One request/response on a non-blocking socket, read only when asked to.
 
-    def __init__(self, sock: socket.socket, method: str, started: float) -> None:
+    A subclass speaks the protocol: `feed` takes what was read, `flush` writes what the
+    protocol owes the server (HTTP/2 acknowledgements), `unstall` lets a stalled response
+    flow again.
+    """
+
+    def __init__(self, sock: socket.socket, response: _Response, started: float) -> None:
         self.sock = sock
-        self.parser = _ResponseParser(method)
+        self.response = response
         self.started = started
         self.server_closed = False
         self.closed = False
+        # Set by a protocol that learns the response is over before EOF (an HTTP/2 reset).
+        self.ended_by: str | None = None
 
-    @classmethod
-    async def open(
-        cls,
-        url: str,
-        *,
-        method: str,
-        headers: Mapping[str, str] | None,
-        body: bytes,
-        timeout: float,
-        recv_buffer: int | None = None,
-    ) -> _Exchange:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"only http://host[:port]/path URLs are supported, got {url!r}")
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        deadline = started + timeout
-        sock = await _connect(parts.hostname, parts.port or 80, deadline, recv_buffer)
-        exchange = cls(sock, method, started)
-        data = _request_bytes(method, target, parts.netloc.rpartition("@")[2], headers or {}, body)
-        try:
-            async with asyncio.timeout_at(deadline):
-                await loop.sock_sendall(sock, data)
-        except BaseException:
-            exchange.close()
-            raise
-        return exchange
+    def feed(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def feed_eof(self) -> None:
+        """The server closed the connection."""
+
+    async def flush(self) -> None:
+        """Write what the protocol owes the server; nothing for HTTP/1.1."""
+
+    async def unstall(self) -> None:
+        """Let a response that was held back flow again; nothing for HTTP/1.1."""
+
+    async def hang_up(self) -> None:
+        """What the client says before it closes early; nothing for HTTP/1.1."""
 
     def recv_nowait(self, size: int = _RECV_SIZE) -> bytes | None:
         """Bytes already received (b"" at EOF), or None when nothing is readable yet."""
@@ -300,10 +309,13 @@ class _Exchange:
         """Read until the response completes, the server closes, `stop()` names a reason once
         the head arrived, or `cut_at` passes; return why it stopped. TimeoutError at `deadline`."""
         loop = asyncio.get_running_loop()
+        response = self.response
         while True:
-            if self.parser.complete:
+            if response.complete:
                 return "complete"
-            if self.parser.head_done and (reason := stop()):
+            if self.ended_by is not None:
+                return self.ended_by
+            if response.head_done and (reason := stop()):
                 return reason
             if loop.time() >= cut_at:
                 return "disconnect_after_seconds"
@@ -317,22 +329,47 @@ class _Exchange:
             if data is None:
                 await _wait_readable(self.sock, min(deadline, cut_at))
             elif data:
-                self.parser.feed(data)
+                self.feed(data)
+                await self.flush()
                 # A server flooding the socket must not starve the rest of this event loop.
                 await asyncio.sleep(0)
             else:
                 self.server_closed = True
-                self.parser.feed_eof()
-                return "complete" if self.parser.complete else "server_closed"
+                self.feed_eof()
+                return "complete" if response.complete else "server_closed"
+
+    async def wait_server_closed(self, timeout: float) -> bool:
+        """Whether the server closed the connection (or ended the response) within `timeout`,
+        reading whatever arrives meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.server_closed and not self.closed:
+            try:
+                data = self.recv_nowait()
+            except ConnectionError:
+                self.server_closed = True
+                break
+            if data == b"":
+                self.server_closed = True
+                self.feed_eof()
+            elif data is not None:
+                self.feed(data)
+                await self.flush()
+                if loop.time() >= deadline:
+                    return False
+                await asyncio.sleep(0)
+            elif not await _wait_readable(self.sock, deadline):
+                return False
+        return self.server_closed
 
     def result(self, stopped_by: str) -> ClientResult:
-        parser = self.parser
+        response = self.response
         return ClientResult(
-            status=parser.status,
-            headers=dict(parser.headers),
-            headers_list=list(parser.headers_list),
-            body=bytes(parser.body),
-            complete=parser.complete,
+            status=response.status,
+            headers=dict(response.headers),
+            headers_list=list(response.headers_list),
+            body=bytes(response.body),
+            complete=response.complete,
             elapsed=asyncio.get_running_loop().time() - self.started,
             stopped_by=stopped_by,
         )
@@ -345,6 +382,46 @@ class _Exchange:
             # Linger on with a zero timeout: close() sends RST instead of FIN.
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.sock.close()
+
+
+class _Http1Exchange(_Exchange):
+    """An HTTP/1.1 request on a connection of its own."""
+
+    def __init__(self, sock: socket.socket, method: str, started: float) -> None:
+        self.parser = _ResponseParser(method)
+        super().__init__(sock, self.parser, started)
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        method: str,
+        headers: Mapping[str, str] | None,
+        body: bytes,
+        timeout: float,
+        recv_buffer: int | None = None,
+    ) -> _Http1Exchange:
+        host, port, target, authority = _split_url(url)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + timeout
+        sock = await _connect(host, port, deadline, recv_buffer)
+        exchange = cls(sock, method, started)
+        data = _request_bytes(method, target, authority, headers or {}, body)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await loop.sock_sendall(sock, data)
+        except BaseException:
+            exchange.close()
+            raise
+        return exchange
+
+    def feed(self, data: bytes) -> None:
+        self.parser.feed(data)
+
+    def feed_eof(self) -> None:
+        self.parser.feed_eof()
 
 
 async def request(
@@ -366,12 +443,34 @@ async def request(
     request was sent and also applies before the response head. `abortive` closes with RST.
     Raises TimeoutError when nothing else stopped the client within `timeout`.
     """
-    exchange = await _Exchange.open(url, method=method, headers=headers, body=body, timeout=timeout)
+    exchange = await _Http1Exchange.open(
+        url, method=method, headers=headers, body=body, timeout=timeout
+    )
+    return await _read_or_hang_up(
+        exchange,
+        disconnect_after_bytes=disconnect_after_bytes,
+        disconnect_after_seconds=disconnect_after_seconds,
+        disconnect_when=disconnect_when,
+        timeout=timeout,
+        abortive=abortive,
+    )
+
+
+async def _read_or_hang_up(
+    exchange: _Exchange,
+    *,
+    disconnect_after_bytes: int | None,
+    disconnect_after_seconds: float | None,
+    disconnect_when: Callable[[bytes], bool] | None,
+    timeout: float,
+    abortive: bool,
+) -> ClientResult:
+    """Read `exchange` until it ends or a disconnect condition holds; then close it."""
     loop = asyncio.get_running_loop()
     cut_at = float("inf")
     if disconnect_after_seconds is not None:
         cut_at = loop.time() + disconnect_after_seconds
-    received = exchange.parser.body
+    received = exchange.response.body
 
     def stop() -> str | None:
         if disconnect_after_bytes is not None and len(received) >= disconnect_after_bytes:
@@ -384,6 +483,8 @@ async def request(
         stopped_by = await exchange.read(
             deadline=exchange.started + timeout, cut_at=cut_at, stop=stop
         )
+        if stopped_by.startswith("disconnect_"):
+            await exchange.hang_up()
     finally:
         exchange.close(abortive=abortive)
     return exchange.result(stopped_by)
@@ -391,31 +492,32 @@ async def request(
 
 class StalledClient:
     """A client that read the response head (and a few body bytes) and then stopped reading,
-    keeping its socket open, so the server's send buffer fills up."""
+    keeping its connection open: over HTTP/1.1 the server's send buffer fills up, over
+    HTTP/2 the stream's flow-control window stays shut."""
 
     def __init__(self, exchange: _Exchange) -> None:
         self._exchange = exchange
 
     @property
     def status(self) -> int | None:
-        return self._exchange.parser.status
+        return self._exchange.response.status
 
     @property
     def headers(self) -> dict[str, str]:
-        return dict(self._exchange.parser.headers)
+        return dict(self._exchange.response.headers)
 
     @property
     def headers_list(self) -> list[tuple[str, str]]:
-        return list(self._exchange.parser.headers_list)
+        return list(self._exchange.response.headers_list)
 
     @property
     def body(self) -> bytes:
         """The de-chunked body bytes read so far."""
-        return bytes(self._exchange.parser.body)
+        return bytes(self._exchange.response.body)
 
     @property
     def complete(self) -> bool:
-        return self._exchange.parser.complete
+        return self._exchange.response.complete
 
     @property
     def server_closed(self) -> bool:
@@ -428,6 +530,7 @@ class StalledClient:
         if exchange.closed:
             raise RuntimeError("the client is closed")
         deadline = asyncio.get_running_loop().time() + timeout
+        await exchange.unstall()
         return exchange.result(await exchange.read(deadline=deadline))
 
     async def wait_server_closed(self, timeout: float = 10.0) -> bool:
@@ -436,26 +539,7 @@ class StalledClient:
         An EOF is only visible after the bytes before it, so whatever is readable meanwhile is
         read into `body`; `timeout=0` makes this a single non-blocking check.
         """
-        exchange = self._exchange
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not exchange.server_closed and not exchange.closed:
-            try:
-                data = exchange.recv_nowait()
-            except ConnectionError:
-                exchange.server_closed = True
-                break
-            if data == b"":
-                exchange.server_closed = True
-                exchange.parser.feed_eof()
-            elif data is not None:
-                exchange.parser.feed(data)
-                if loop.time() >= deadline:
-                    return False
-                await asyncio.sleep(0)
-            elif not await _wait_readable(exchange.sock, deadline):
-                return False
-        return exchange.server_closed
+        return await self._exchange.wait_server_closed(timeout)
 
     async def close(self, *, abortive: bool = False) -> None:
         """Close the socket: a normal close (FIN), or RST when `abortive`. Idempotent."""
@@ -488,10 +572,10 @@ async def stalled_request(
 
     Raises TimeoutError when the head and `read_bytes` did not arrive within `timeout`.
     """
-    exchange = await _Exchange.open(
+    exchange = await _Http1Exchange.open(
         url, method=method, headers=headers, body=body, timeout=timeout, recv_buffer=recv_buffer
     )
-    received = exchange.parser.body
+    received = exchange.response.body
     try:
         await exchange.read(
             deadline=exchange.started + timeout,
