@@ -39,35 +39,10 @@ SERVERS: list[ServerName] = ["uvicorn", "hypercorn", "hypercorn-h2", "granian"]
 TOKENS = 200
 DONE = b"data: [DONE]\n\n"
 
-FINDING_15 = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "finding 15: granian's send() returns an awaitable that is not a coroutine "
-        "(PyEmptyAwaitable, no .send); DisconnectMiddleware outermost steps it as one, so "
-        "every stream writes its first chunk twice, then event: error, generation failed"
-    ),
-)
-FINDING_16 = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "finding 16: hypercorn's HTTP/2 send never returns once the connection closed "
-        "with the window shut; the disconnect arrives during the final send and the writer "
-        "is joined with no deadline: tasks leak and no usage record is emitted"
-    ),
-)
-
-
-def cells(*, streams: bool) -> list[ParameterSet]:
-    """(server, placement) pairs; a streaming case fails on granian outermost today."""
+def cells() -> list[ParameterSet]:
+    """(server, placement) pairs."""
     return [
-        pytest.param(
-            server,
-            placement,
-            id=f"{server}-{placement}",
-            marks=[FINDING_15]
-            if streams and (server, placement) == ("granian", "outermost")
-            else [],
-        )
+        pytest.param(server, placement, id=f"{server}-{placement}")
         for server in SERVERS
         for placement in PLACEMENTS
     ]
@@ -131,7 +106,7 @@ def stream_problems(body: bytes) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize(("server", "placement"), cells(streams=True))
+@pytest.mark.parametrize(("server", "placement"), cells())
 async def test_a_full_stream_reaches_the_client_whole(
     provider: FakeProvider, server: ServerName, placement: Placement
 ) -> None:
@@ -145,7 +120,7 @@ async def test_a_full_stream_reaches_the_client_whole(
     assert info["size"] == len(result.body)
 
 
-@pytest.mark.parametrize(("server", "placement"), cells(streams=True))
+@pytest.mark.parametrize(("server", "placement"), cells())
 async def test_cancel_closes_the_upstream_when_the_client_hangs_up(
     provider: FakeProvider, server: ServerName, placement: Placement
 ) -> None:
@@ -160,7 +135,7 @@ async def test_cancel_closes_the_upstream_when_the_client_hangs_up(
     assert upstream.tokens_sent < upstream.tokens_planned
 
 
-@pytest.mark.parametrize(("server", "placement"), cells(streams=True))
+@pytest.mark.parametrize(("server", "placement"), cells())
 async def test_detach_finishes_and_replays_from_offset_zero(
     provider: FakeProvider, server: ServerName, placement: Placement
 ) -> None:
@@ -182,7 +157,7 @@ async def test_detach_finishes_and_replays_from_offset_zero(
     assert stream_problems(replay.content) == []
 
 
-@pytest.mark.parametrize(("server", "placement"), cells(streams=False))
+@pytest.mark.parametrize(("server", "placement"), cells())
 async def test_a_json_route_answers_once(
     provider: FakeProvider, server: ServerName, placement: Placement
 ) -> None:
@@ -201,7 +176,6 @@ async def test_a_json_route_answers_once(
 # -- regressions -------------------------------------------------------------------
 
 
-@FINDING_15
 @pytest.mark.parametrize("mode", ["embedded", "process"])
 async def test_granian_outermost_streams_are_intact(provider: FakeProvider, mode: str) -> None:
     """granian's ``send()`` returns ``PyEmptyAwaitable``: awaitable, not a coroutine.
@@ -259,7 +233,6 @@ async def request_tasks(srv: RunningServer, timeout: float) -> list[str]:
         await asyncio.sleep(0.05)
 
 
-@FINDING_16
 @pytest.mark.parametrize("placement", PLACEMENTS)
 async def test_h2_client_with_a_shut_window_hangs_up_during_the_final_send(
     placement: Placement,
