@@ -54,7 +54,6 @@ logger = logging.getLogger("asgi_disconnect")
 _DISCONNECT: Message = {"type": "http.disconnect"}
 _COROUTINE = types.CoroutineType
 _GENERATION_HEADER = b"x-generation-id"
-_DIRECT_SEND_LIMIT = 1 << 16
 _ROUTE_MEMO_SIZE = 4096
 # How long a request cancelled by the server waits for its app to run its finally blocks.
 _TEARDOWN_TIMEOUT = 5.0
@@ -295,30 +294,32 @@ def _check_asyncio() -> None:
 class _Exchange:
     """One HTTP request: the receive reader, the app task and the client writer."""
 
-    # What most requests never change stays on the class; an exchange sets its own when it
-    # does. This keeps the start of every request down to a few stores.
-    inbox: deque[Message] | None = None
-    inbox_waiter: asyncio.Future[None] | None = None
-    taken_waiter: asyncio.Future[None] | None = None
-    request_task: asyncio.Task[Any] | None = None
-    app_task: asyncio.Task[None] | None = None
-    writer: ClientWriter | None = None
-    app_error: BaseException | None = None
-    generation: Generation | None = None
-    # Where the response stands while no writer exists (a response sent in one piece).
-    delivery = _OPEN
-    client_gone = False
-    body_ended = False
-    expect_trailers = False
-    # How the app ended: None while it runs, else "returned", "failed", "cancelled" or
-    # "interrupted"; written once, by app_ended.
-    app_outcome: str | None = None
-    watching = False
-    woken = False
-    wake_reason: str | None = None
-    watcher: asyncio.Task[Any] | None = None
-    cancelled_by_policy = False
-    interrupt_reason = "interrupted before it finished"
+    __slots__ = (
+        "app_error",
+        "app_outcome",
+        "app_task",
+        "body_ended",
+        "cancelled_by_policy",
+        "client_gone",
+        "delivery",
+        "expect_trailers",
+        "generation",
+        "inbox",
+        "inbox_waiter",
+        "interrupt_reason",
+        "mw",
+        "receive",
+        "request_task",
+        "scope",
+        "send",
+        "state",
+        "taken_waiter",
+        "wake_reason",
+        "watcher",
+        "watching",
+        "woken",
+        "writer",
+    )
 
     def __init__(
         self,
@@ -333,6 +334,28 @@ class _Exchange:
         self.receive = receive
         self.send = send
         self.state = state
+        self.inbox: deque[Message] | None = None
+        self.inbox_waiter: asyncio.Future[None] | None = None
+        self.taken_waiter: asyncio.Future[None] | None = None
+        self.request_task: asyncio.Task[Any] | None = None
+        self.app_task: asyncio.Task[None] | None = None
+        self.writer: ClientWriter | None = None
+        self.app_error: BaseException | None = None
+        self.generation: Generation | None = None
+        # Where the response stands while no writer exists (a response sent in one piece).
+        self.delivery = _OPEN
+        self.client_gone = False
+        self.body_ended = False
+        self.expect_trailers = False
+        # None while the app runs, then "returned", "failed", "cancelled" or "interrupted";
+        # written once, by app_ended.
+        self.app_outcome: str | None = None
+        self.watching = False
+        self.woken = False
+        self.wake_reason: str | None = None
+        self.watcher: asyncio.Task[Any] | None = None
+        self.cancelled_by_policy = False
+        self.interrupt_reason = "interrupted before it finished"
 
     # -- how it ended: one mapping for every path -------------------------------------
 
@@ -875,22 +898,28 @@ class _Exchange:
         self._wake("client")
 
     async def _send_whole(self, message: Message, size: int) -> None:
-        """Send the whole response, one message, as the app gave it. A large one is sent
-        under the lag deadline, so a client that stops reading cannot hold it."""
+        """Send the whole response, one message, as the app gave it, from the producer's own
+        task. A send that cannot finish at once goes on under the lag deadline, so a client
+        that stops reading (or an HTTP/2 window that stays shut) cannot hold it."""
         self.delivery = _FINAL
+        sending: Any = self.send(message)
+        if type(sending) is not _COROUTINE:
+            sending = as_coroutine(sending)
         try:
-            if size <= _DIRECT_SEND_LIMIT:
-                await self.send(message)
+            try:
+                waiting_on = sending.send(None)
+            except StopIteration:
+                pass
             else:
                 async with asyncio.timeout(self.mw.max_lag_seconds):
-                    await self.send(message)
-        except OSError:
-            self._client_went_away()
-            return
+                    await Resume(sending, waiting_on)
         except TimeoutError:
             self.delivery = _GONE
             self.client_gone = True
             self._wake("lag")
+            return
+        except OSError:
+            self._client_went_away()
             return
         self.state.delivered_bytes += size
         if not self.expect_trailers:
