@@ -75,10 +75,11 @@ UsageSink = Callable[["UsageRecord"], Awaitable[None] | None]
 
 
 def default_principal(scope: Scope) -> str:
-    """A digest of the caller's ``Authorization`` or ``x-api-key`` header; ``""`` if none."""
+    """A digest of the caller's ``Authorization`` or ``x-api-key`` header, name and value
+    (the same secret in the two headers is two callers); ``""`` if neither is there."""
     for name, value in scope["headers"]:
         if name == b"authorization" or name == b"x-api-key":
-            return hashlib.sha256(value).hexdigest()[:32]
+            return hashlib.sha256(name + b":" + value).hexdigest()[:32]
     return ""
 
 

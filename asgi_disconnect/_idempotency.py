@@ -478,15 +478,20 @@ class IdempotencyMiddleware:
             heartbeat.cancel()
             state = scope.get("asgi_disconnect")
             ttl = route_ttl()
-            if not settled and isinstance(state, RequestState) and state.detached and not failure:
+            if settled:
+                pass
+            elif isinstance(state, RequestState) and state.detached and not failure:
                 # The generation outlives this request: store it once it has ended.
                 state.on_finished(
                     lambda: asyncio.ensure_future(
                         self._settle(principal, key, owner, response, state, None, ttl)
                     )
                 )
-            elif not settled:
-                await shielded(self._settle(principal, key, owner, response, None, failure, ttl))
+            else:
+                # The response never reached its end (the client left, the app failed or
+                # was cancelled): nothing complete to replay, so a retry runs again.
+                incomplete = failure or _INCOMPLETE
+                await shielded(self._settle(principal, key, owner, response, None, incomplete, ttl))
 
     async def _settle(
         self,
@@ -547,6 +552,9 @@ def _replay_receive(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+_INCOMPLETE = RuntimeError("the response did not reach its end")
 
 
 def _nothing() -> None:

@@ -135,8 +135,8 @@ class MeteringMiddleware:
         try:
             record = await self._record(scope, tee, state)
         except Exception:
-            logger.exception("building the usage record failed")
-            return
+            logger.exception("analysing the response failed; its usage is recorded as unknown")
+            record = self._unknown(scope, tee, state)
         self.records += 1
         if self.reservations is not None:
             try:
@@ -210,6 +210,42 @@ class MeteringMiddleware:
             duration=tee.ended - tee.started,
             finish_reason=report.finish_reason,
             error_type=error_type,
+            policy=policy,
+            detached=state.detached if state is not None else False,
+            started_at=tee.started_at,
+        )
+
+    def _unknown(self, scope: Scope, tee: _Tee, state: RequestState | None) -> UsageRecord:
+        """The one record of a response that could not be analysed: usage unknown."""
+        failure = tee.failure
+        policy = state.policy.value if state is not None and state.policy is not None else None
+        if isinstance(failure, asyncio.CancelledError):
+            outcome = "cancelled" if policy == "cancel" else "interrupted"
+        elif failure is not None or (tee.status_code or 0) >= 400:
+            outcome = "error"
+        else:
+            outcome = "unknown"
+        route = scope.get("route")
+        return UsageRecord(
+            generation_id=state.generation_id if state is not None else None,
+            principal=state.principal if state is not None else None,
+            method=scope.get("method", ""),
+            route=getattr(route, "path", None) or scope.get("path", ""),
+            status_code=tee.status_code,
+            provider=tee.provider,
+            model=None,
+            outcome=outcome,
+            input_tokens=None,
+            output_tokens=None,
+            usage_source="none",
+            produced_bytes=tee.produced,
+            delivered_bytes=min(state.delivered_bytes if state else tee.produced, tee.produced),
+            produced_output_tokens=None,
+            delivered_output_tokens=None,
+            time_to_first_event=tee.first_event,
+            duration=tee.ended - tee.started,
+            finish_reason=None,
+            error_type=type(failure).__name__ if failure is not None else None,
             policy=policy,
             detached=state.detached if state is not None else False,
             started_at=tee.started_at,
@@ -315,21 +351,20 @@ def _json_report(body: bytes, provider: str | None) -> Any:
         payload = None
     if not isinstance(payload, dict):
         return analyze(b"", provider)
-    usage = payload.get("usage") or {}
-    meta = payload.get("usageMetadata") or {}
+    # Any field may be missing or of another shape: what is not as expected counts as absent.
+    usage = _dict(payload.get("usage"))
+    meta = _dict(payload.get("usageMetadata"))
     error = payload.get("error") if isinstance(payload.get("error"), dict) else None
-    input_tokens = usage.get(
-        "prompt_tokens", usage.get("input_tokens", meta.get("promptTokenCount"))
-    )
-    output_tokens = usage.get(
-        "completion_tokens", usage.get("output_tokens", meta.get("candidatesTokenCount"))
-    )
-    choices = payload.get("choices") or [{}]
-    finish = (
-        (choices[0] or {}).get("finish_reason")
-        or payload.get("stop_reason")
-        or payload.get("status")
-    )
+    input_tokens = _count(usage, "prompt_tokens", "input_tokens")
+    if input_tokens is None:
+        input_tokens = _count(meta, "promptTokenCount")
+    output_tokens = _count(usage, "completion_tokens", "output_tokens")
+    if output_tokens is None:
+        output_tokens = _count(meta, "candidatesTokenCount")
+    choices = payload.get("choices")
+    first = _dict(choices[0]) if isinstance(choices, list) and choices else {}
+    finish = _text(first.get("finish_reason")) or _text(payload.get("stop_reason"))
+    finish = finish or _text(payload.get("status"))
     if payload.get("object") == "chat.completion":
         fmt: str | None = "openai_chat"
     elif payload.get("object") == "response":
@@ -344,11 +379,27 @@ def _json_report(body: bytes, provider: str | None) -> Any:
         provider_format=fmt,
         terminal_marker_seen=error is None and output_tokens is not None,
         error=error,
-        error_type=(error or {}).get("type") if error else None,
+        error_type=_text(error.get("type")) if error else None,
         input_tokens=input_tokens,
         output_tokens=output_tokens,
         usage_source="provider" if output_tokens is not None else "none",
         finish_reason=finish,
         event_count=0,
-        model=payload.get("model"),
+        model=_text(payload.get("model")),
     )
+
+
+def _dict(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _count(fields: dict[str, Any], *names: str) -> int | None:
+    for name in names:
+        value = fields.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None

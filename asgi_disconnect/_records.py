@@ -75,8 +75,9 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
 
     ``outcome`` is ``complete`` (the protocol's terminal marker arrived), ``truncated``
     (the stream ended without it), ``error`` (an error frame, an error status or an
-    exception), ``cancelled`` (the client left and the policy cancelled) or
-    ``interrupted`` (shutdown or a lost owner). Token counts come from the provider when
+    exception), ``cancelled`` (the client left and the policy cancelled),
+    ``interrupted`` (shutdown or a lost owner) or ``unknown`` (the body could not be
+    analysed; then ``usage_source`` is ``"none"``). Token counts come from the provider when
     it sent usage (``usage_source="provider"``), else are estimated from the text
     (``"estimated"``), else unknown (``"none"``). ``delivered_*`` is what the client
     writer handed to the server; ``produced_*`` is what the app produced.
