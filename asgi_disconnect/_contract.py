@@ -23,6 +23,8 @@ field                  written by
 ``disconnected``       DisconnectMiddleware, when the client left or lagged
 ``delivered_bytes``    DisconnectMiddleware's client writer
 ``ending``             DisconnectMiddleware, once, when the exchange is over
+``stream_end``         MeteringMiddleware, at the final body: how the stream ended by
+                       its protocol (``complete``, ``error``, ``truncated``; None unknown)
 ``upstreams``          the upstream helpers (``asgi_disconnect.upstream``)
 =====================  ======================================================
 
@@ -138,6 +140,7 @@ class RequestState:
         "handled",
         "policy",
         "principal",
+        "stream_end",
         "upstreams",
     )
 
@@ -148,6 +151,7 @@ class RequestState:
         self.policy: Policy | None = None
         self.detached = False
         self.ending: Ending | None = None
+        self.stream_end: str | None = None
         self._disconnected: asyncio.Event | None = None
         self.disconnect_reason: str | None = None
         self.delivered_bytes = 0

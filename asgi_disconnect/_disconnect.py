@@ -457,6 +457,15 @@ class _Exchange:
             return
         self._deliver_rest()
 
+    def _ended_short(self, generation: Generation, end: str) -> None:
+        """The app ended a stream whose protocol did not say it was complete."""
+        if end == "truncated":
+            reason = "the stream ended without its protocol's terminal marker"
+            generation.append(error_frame(generation.id, "truncated_stream", reason))
+        else:
+            reason = "the stream carried an error event"
+        generation.finish(_STATUS_FAILED, reason)
+
     def _deliver_rest(self) -> None:
         """Hand the end of a generation (an error frame, the final body) to the client."""
         if self.client_gone or self.generation is None:
@@ -792,10 +801,15 @@ class _Exchange:
             if body:
                 generation.append(body)
             if not more_body:
-                if not generation.finish(_STATUS_COMPLETE):
+                if not generation.running:
                     raise RuntimeError(
                         "ASGI message 'http.response.body' sent after the response ended"
                     )
+                end = self.state.stream_end
+                if end is None or end == "complete":
+                    generation.finish(_STATUS_COMPLETE)
+                else:
+                    self._ended_short(generation, end)
                 self.body_ended = True
             if self.client_gone:
                 return
@@ -807,7 +821,7 @@ class _Exchange:
             elif more_body:
                 if body:
                     self._open_writer().pump()
-            elif len(generation.chunks) > 1 or self.expect_trailers:
+            elif len(generation.chunks) > 1 or self.expect_trailers or generation.error:
                 self._open_writer().pump()
             else:
                 await self._send_whole(message, len(body))

@@ -456,10 +456,23 @@ class IdempotencyMiddleware:
                 if not message.get("more_body", False):
                     nonlocal settled
                     settled = True
+                    state = scope.get("asgi_disconnect")
+                    generation = state.generation if isinstance(state, RequestState) else None
+                    # A stream the app ended short (its protocol said so) is as an upstream
+                    # failure: not stored, so a retry runs again.
+                    short = generation is not None and generation.status != "complete"
                     # Stored before the last byte leaves: a client that retries the moment
                     # it has the response gets the replay, not a 409.
                     await shielded(
-                        self._settle(principal, key, owner, response, None, None, route_ttl())
+                        self._settle(
+                            principal,
+                            key,
+                            owner,
+                            response,
+                            None,
+                            _INCOMPLETE if short else None,
+                            route_ttl(),
+                        )
                     )
             await send(message)
 

@@ -114,7 +114,6 @@ class Lifecycle:
                     await self.run_startup()
                 except _StartupFailed as exc:
                     failed = True
-                    logger.error("startup failed: %s", exc)
                     await self.run_shutdown()
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     raise

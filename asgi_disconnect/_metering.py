@@ -82,6 +82,7 @@ class MeteringMiddleware:
             state = None
         provider = self.provider(scope) if callable(self.provider) else self.provider
         tee = _Tee(provider, time.time(), time.monotonic(), keep_body=state is None)
+        tee.state = state
         reservation: Any = None
         if self.reservations is not None:
             try:
@@ -273,6 +274,7 @@ class _Tee:
         "provider",
         "started",
         "started_at",
+        "state",
         "status_code",
     )
 
@@ -292,21 +294,27 @@ class _Tee:
         self.failure: BaseException | None = None
         self.chunks: list[bytes] = []
         self._json = False
+        self.state: RequestState | None = None
 
     def observe(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.body":
             body = message.get("body", b"")
-            if not body:
-                return
-            self.produced += len(body)
-            if self.keep_body or (self._json and self.produced <= _JSON_LIMIT):
-                self.chunks.append(body)
             meter = self.meter
-            if meter is not None:
-                meter.feed(body)
-                if self.first_event is None and meter.event_count:
-                    self.first_event = time.monotonic() - self.started
+            if body:
+                self.produced += len(body)
+                if self.keep_body or (self._json and self.produced <= _JSON_LIMIT):
+                    self.chunks.append(body)
+                if meter is not None:
+                    meter.feed(body)
+                    if self.first_event is None and meter.event_count:
+                        self.first_event = time.monotonic() - self.started
+            if meter is not None and not message.get("more_body", False):
+                state = self.state
+                if state is not None:
+                    # Before the final body reaches DisconnectMiddleware, which ends the
+                    # generation by it.
+                    state.stream_end = meter.ending
         elif kind == "http.response.start":
             self.status_code = message["status"]
             for name, value in message.get("headers", ()):

@@ -127,6 +127,18 @@ class StreamMeter:
             logger.exception("metering failed; the rest of this stream is not metered")
             self._stop({"type": "meter_error", "message": "the stream could not be metered"})
 
+    @property
+    def ending(self) -> str | None:
+        """How the stream ended by its protocol, so far: ``"complete"`` (its terminal marker
+        arrived), ``"error"`` (an error event), ``"truncated"`` (a known protocol without
+        its marker), or None (no known protocol, so no marker to expect)."""
+        state = self._state
+        if state.terminal:
+            return "complete"
+        if state.error is not None:
+            return "error"
+        return None if state.provider_format is None else "truncated"
+
     def report(self) -> StreamReport:
         """What the stream said so far (call it when the stream has ended)."""
         state = self._state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -119,3 +120,57 @@ def test_the_same_secret_in_two_headers_is_two_callers() -> None:
     assert bearer != api_key
     assert bearer
     assert api_key
+
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+def relay_app(runs: Runs, body: bytes) -> Starlette:
+    """An app relaying a recorded upstream body in pieces, as a gateway does."""
+
+    async def relay(request: Request) -> StreamingResponse:
+        runs.count += 1
+
+        async def pieces() -> AsyncIterator[bytes]:
+            for start in range(0, len(body), 97):
+                yield body[start : start + 97]
+                await asyncio.sleep(0)
+
+        return StreamingResponse(pieces(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/relay", relay, methods=["POST"])])
+
+
+@pytest.mark.parametrize("cut", [True, False])
+async def test_a_stream_is_complete_only_with_its_terminal_marker(cut: bool) -> None:
+    body = (DATA / "openai_chat_basic.sse").read_bytes()
+    if cut:
+        body = body[: body.index(b"data: [DONE]")]  # the upstream ended cleanly, too early
+    runs = Runs()
+    records: list[UsageRecord] = []
+    app = relay_app(runs, body)
+    backend = MemoryBackend()
+    install(app, backend=backend, sinks=[records.append], idempotency=True)
+    headers = [AUTH, ("idempotency-key", f"marker-{cut}")]
+    result = await drive(app, method="POST", path="/relay", headers=headers)
+    generation_id = result.header("x-generation-id")
+    assert generation_id is not None
+    info = await backend.get(generation_id)
+    assert info is not None
+    await eventually(lambda: records)
+    retry = await drive(app, method="POST", path="/relay", headers=headers)
+    if cut:
+        assert info.status == "failed"
+        assert info.error == "the stream ended without its protocol's terminal marker"
+        assert result.body.startswith(body)
+        assert b"event: error" in result.body[len(body) :]
+        assert b'"truncated_stream"' in result.body[len(body) :]
+        assert records[0].outcome == "truncated"
+        assert retry.header("idempotent-replayed") is None  # not stored: it runs again
+        assert runs.count == 2
+    else:
+        assert info.status == "complete"
+        assert result.body == body
+        assert records[0].outcome == "complete"
+        assert retry.header("idempotent-replayed") == "true"
+        assert runs.count == 1
