@@ -37,7 +37,7 @@ from ._problem import send_problem
 from ._records import Status
 from ._resume import ResumeEndpoints, error_frame, is_event_stream
 from ._supervisor import Supervisor
-from ._writer import ClientWriter, Delivery
+from ._writer import MESSAGE_BYTES, ClientWriter, Delivery
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -103,8 +103,8 @@ class DisconnectMiddleware:
     The app runs in a task owned by the middleware's supervisor; its ``send`` appends to
     the request's generation log and returns at once, and a client writer drains the
     log to the server. A single reader owns ``receive``. When the client disconnects,
-    or falls more than ``max_lag_bytes`` / ``max_lag_seconds`` behind, the route's
-    policy applies: ``cancel`` cancels the app and closes tracked upstream responses;
+    or makes no progress for ``max_lag_seconds``, the route's policy applies (a client that
+    reads but falls ``max_lag_bytes`` behind makes the app's ``send`` wait instead): ``cancel`` cancels the app and closes tracked upstream responses;
     ``detach`` lets it finish, its output readable under ``resume_prefix``.
 
     ``exclude_paths``: regular expressions of paths the middleware leaves alone (static
@@ -763,7 +763,13 @@ class _Exchange:
             body = message.get("body", b"")
             more_body = message.get("more_body", False)
             writer = self.writer
-            if writer is not None and writer.direct and more_body and body:
+            if (
+                writer is not None
+                and writer.direct
+                and more_body
+                and body
+                and len(body) <= MESSAGE_BYTES
+            ):
                 # The hot path, one chunk of a stream whose client keeps up: append it to
                 # the log and hand the app's own message to the server as the writer.
                 # Generation.append, inlined: a direct exchange's generation is running.
@@ -799,7 +805,12 @@ class _Exchange:
                     "ASGI message 'http.response.body' sent before 'http.response.start'"
                 )
             if body:
-                generation.append(body)
+                if len(body) <= MESSAGE_BYTES:
+                    generation.append(body)
+                else:
+                    # In pieces, so the client's progress through it shows.
+                    for start in range(0, len(body), MESSAGE_BYTES):
+                        generation.append(body[start : start + MESSAGE_BYTES])
             if not more_body:
                 if not generation.running:
                     raise RuntimeError(
@@ -817,11 +828,19 @@ class _Exchange:
                 if writer.direct:
                     writer.pump()
                 elif generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
-                    writer.lost("lag")
+                    # The client reads, slower than the app produces: the app waits for it,
+                    # so memory stays bounded. A client that stops is lagging (the writer's
+                    # deadline), and then the policy applies.
+                    await writer.room(self.mw.max_lag_bytes // 2)
             elif more_body:
                 if body:
                     self._open_writer().pump()
-            elif len(generation.chunks) > 1 or self.expect_trailers or generation.error:
+            elif (
+                len(generation.chunks) > 1
+                or self.expect_trailers
+                or generation.error
+                or len(body) > MESSAGE_BYTES
+            ):
                 self._open_writer().pump()
             else:
                 await self._send_whole(message, len(body))

@@ -58,6 +58,10 @@ _MOVES = {
     _GONE: frozenset(),
 }
 
+# The largest body message the writer makes of chunks that wait: small enough that a
+# client's progress shows between messages, large enough to cost few sends.
+MESSAGE_BYTES = 1 << 20
+
 # A queued message: (chunks sent before it, queued after the final body?, message).
 _Extra = tuple[int, bool, "Message"]
 # A send in progress: (coroutine, what it waits on, message, body size, chunks sent after).
@@ -69,6 +73,8 @@ class ClientWriter:
 
     __slots__ = (
         "_pending",
+        "_room",
+        "_room_behind",
         "_waiter",
         "closing",
         "context",
@@ -126,6 +132,8 @@ class ClientWriter:
         self.lag_timer: asyncio.TimerHandle | None = None
         self._pending: _Pending | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._room: asyncio.Future[None] | None = None
+        self._room_behind = 0
         # The writer's task runs in a context of its own; sends stepped as the writer too.
         self.context = contextvars.copy_context()
         self.loop = asyncio.get_running_loop()
@@ -201,6 +209,7 @@ class ClientWriter:
             return
         self.delivery = _GONE
         self.direct = False
+        self._free_room()
         self.stop()
         self.on_lost(reason)
 
@@ -230,8 +239,15 @@ class ClientWriter:
             limit = count
         ended = not generation.running
         if index < limit:
-            chunks = generation.chunks[index:limit]
-            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            chunks = generation.chunks
+            # Coalesce what waits, up to a size that still shows the client's progress.
+            size = len(chunks[index])
+            end = index + 1
+            while end < limit and size + len(chunks[end]) <= MESSAGE_BYTES:
+                size += len(chunks[end])
+                end += 1
+            limit = end
+            body = chunks[index] if end == index + 1 else b"".join(chunks[index:end])
             final = ended and limit == count and self.end_response and not self.end_sent
             if final and extras and not extras[0][1]:
                 final = False
@@ -254,11 +270,30 @@ class ClientWriter:
             return not more
         return bool(kind == "http.response.pathsend")
 
+    def room(self, behind: int) -> asyncio.Future[None]:
+        """A future resolved once the client is at most ``behind`` bytes behind the log, or
+        gone: a producer far ahead of a client that still reads waits on it."""
+        waiter = self._room = self.loop.create_future()
+        self._room_behind = behind
+        return waiter
+
+    def _free_room(self) -> None:
+        waiter = self._room
+        if waiter is not None:
+            self._room = None
+            if not waiter.done():
+                waiter.set_result(None)
+
     def _sent(self, message: Message, size: int, count: int) -> None:
         kind = message["type"]
         if kind == "http.response.body":
             self.sent_index = count
             self.state.delivered_bytes += size
+            if (
+                self._room is not None
+                and self.generation.size - self.state.delivered_bytes <= self._room_behind
+            ):
+                self._free_room()
             if message.get("more_body", False):
                 return
             self.end_sent = True
@@ -321,6 +356,7 @@ class ClientWriter:
             self.lost("error")
         finally:
             self.direct = False
+            self._free_room()
             self._disarm()
 
     async def _finish(self, pending: _Pending, throw: BaseException | None) -> None:

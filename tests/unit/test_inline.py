@@ -100,9 +100,12 @@ async def test_inline_stalled_client_is_cancelled_by_the_lag_limits() -> None:
         sse_app(probe, chunks=100_000, delay=0.0005, size=200),
         ("GET", "/cancel"),
         max_lag_bytes=64 * 1024,
+        max_lag_seconds=0.5,
     )
     await drive(mw, path="/cancel", stop_reading_after_bytes=1)
     assert probe.cancelled.is_set()
+    # The app waited at the byte limit: it produced a few hundred KiB, not the stream.
+    assert probe.chunks_produced * 216 < 512 * 1024
     timed = Probe()
     mw = inline(sse_app(timed, chunks=1000, delay=0.01), ("GET", "/cancel"), max_lag_seconds=0.2)
     async with asyncio.timeout(5):

@@ -167,7 +167,7 @@ async def test_detached_stream_is_recorded_when_it_finishes() -> None:
 
 
 async def test_stalled_client_still_gets_exactly_one_record() -> None:
-    mw, records, _ = stack(gateway(OPENAI * 50), max_lag_bytes=4096)
+    mw, records, _ = stack(gateway(OPENAI * 50), max_lag_bytes=4096, max_lag_seconds=0.3)
     await drive(mw, path="/stream", stop_reading_after_bytes=100)
     (record,) = await settled(records)
     assert record.outcome == "cancelled"

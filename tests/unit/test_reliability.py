@@ -60,8 +60,9 @@ async def test_a_response_cut_by_a_disconnect_is_not_replayed(
     app = streaming_app(runs, media_type, parts)
     install(app, backend=MemoryBackend(), idempotency=True)
     headers = [AUTH, ("idempotency-key", "cut-1")]
-    cut = await drive(app, method="POST", path="/produce", headers=headers,
-                      disconnect_after_bytes=10)
+    cut = await drive(
+        app, method="POST", path="/produce", headers=headers, disconnect_after_bytes=10
+    )
     assert cut.disconnected
     retry = await drive(app, method="POST", path="/produce", headers=headers)
     assert retry.header("idempotent-replayed") is None
@@ -174,3 +175,69 @@ async def test_a_stream_is_complete_only_with_its_terminal_marker(cut: bool) -> 
         assert records[0].outcome == "complete"
         assert retry.header("idempotent-replayed") == "true"
         assert runs.count == 1
+
+
+async def test_a_client_that_reads_slowly_gets_everything_and_memory_stays_bounded() -> None:
+    chunk = b"x" * (1 << 20)
+    total = 50
+
+    async def flood(request: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            for _ in range(total):
+                yield chunk  # as fast as the app can: no await between chunks
+
+        return StreamingResponse(body(), media_type="application/octet-stream")
+
+    records: list[UsageRecord] = []
+    app = Starlette(routes=[Route("/flood", flood)])
+    install(app, backend=MemoryBackend(), sinks=[records.append])
+    mw = app.build_middleware_stack()
+    received = 0
+    lead = 0
+    done = asyncio.Event()
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    async def steady_send(message: dict[str, Any]) -> None:
+        nonlocal received, lead
+        if message["type"] == "http.response.body":
+            await asyncio.sleep(0.002 * len(message.get("body", b"")) / (1 << 20))
+            received += len(message.get("body", b""))
+            state = scope["asgi_disconnect"]
+            lead = max(lead, state.produced_bytes - state.delivered_bytes)
+            if not message.get("more_body", False):
+                done.set()
+
+    scope: dict[str, Any] = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/flood",
+        "raw_path": b"/flood",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [AUTH_RAW],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+        "state": {},
+    }
+    async with asyncio.timeout(30):
+        await mw(scope, receive, steady_send)
+    assert received == total * len(chunk)
+    await eventually(lambda: records)
+    assert records[0].outcome != "cancelled"
+    assert records[0].delivered_bytes == total * len(chunk)
+    # The log never ran more than the limit (and one chunk) ahead of the client.
+    assert lead <= (4 << 20) + len(chunk)
+
+
+AUTH_RAW = (b"authorization", b"Bearer alice")
