@@ -54,8 +54,9 @@ def as_coroutine(awaitable: Awaitable[Any]) -> Coroutine[Any, Any, Any]:
     return _awaited(awaitable)
 
 
-# Servers whose own ``send`` waits on plain futures and events, never on the running task.
-_PLAIN_SERVERS = ("uvicorn.", "hypercorn.", "granian.")
+# Servers whose own ``send`` is a coroutine that waits on plain futures and events, never
+# on the running task. (granian's binds nothing either, but is not a coroutine.)
+_PLAIN_SERVERS = ("uvicorn.", "hypercorn.")
 
 
 def _errors_send_code() -> Any:
@@ -71,8 +72,8 @@ _ERRORS_SEND = _errors_send_code()
 
 
 def binds_nothing(send: Any) -> bool:
-    """Whether ``send`` is known to bind nothing to the task or context that runs it: a
-    server's own (uvicorn, hypercorn, granian), alone or behind Starlette's
+    """Whether ``send`` is a coroutine function known to bind nothing to the task or
+    context that runs it: a server's own (uvicorn, hypercorn), alone or behind Starlette's
     ``ServerErrorMiddleware``, which only notes that the response started."""
     for _ in range(4):
         owner = getattr(send, "__self__", None)

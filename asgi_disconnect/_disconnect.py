@@ -104,8 +104,9 @@ class DisconnectMiddleware:
     the request's generation log and returns at once, and a client writer drains the
     log to the server. A single reader owns ``receive``. When the client disconnects,
     or makes no progress for ``max_lag_seconds``, the route's policy applies (a client that
-    reads but falls ``max_lag_bytes`` behind makes the app's ``send`` wait instead): ``cancel`` cancels the app and closes tracked upstream responses;
-    ``detach`` lets it finish, its output readable under ``resume_prefix``.
+    reads but falls ``max_lag_bytes`` behind makes the app wait instead): ``cancel`` cancels
+    the app and closes tracked upstream responses; ``detach`` lets it finish, its output
+    readable under ``resume_prefix``.
 
     ``exclude_paths``: regular expressions of paths the middleware leaves alone (static
     files, health checks): no generation, no ``x-generation-id``, no policy.
@@ -761,43 +762,41 @@ class _Exchange:
         kind = message["type"]
         if kind == "http.response.body":
             body = message.get("body", b"")
+            size = len(body)
             more_body = message.get("more_body", False)
             writer = self.writer
-            if (
-                writer is not None
-                and writer.direct
-                and more_body
-                and body
-                and len(body) <= MESSAGE_BYTES
-            ):
+            # 1048576 is MESSAGE_BYTES, as a constant: a global costs a lookup per chunk.
+            if writer is not None and writer.direct and more_body and 0 < size <= 1048576:
                 # The hot path, one chunk of a stream whose client keeps up: append it to
                 # the log and hand the app's own message to the server as the writer.
                 # Generation.append, inlined: a direct exchange's generation is running.
                 live: Generation = self.generation  # type: ignore[assignment]
-                live.size += len(body)
+                live.size += size
                 chunks = live.chunks
                 chunks.append(body)
                 if live.waiters:
                     live.wake()
-                # ClientWriter.hand_chunk, inlined: the send is stepped as the writer.
+                # ClientWriter.hand, inlined: a plain send (a server's own coroutine) is
+                # stepped as it is, any other as the writer (see _aio).
                 sending: Any = self.send(message)
-                if type(sending) is not _COROUTINE:
-                    sending = as_coroutine(sending)
                 try:
                     if writer.plain:
                         waiting_on = sending.send(None)
                     else:
+                        sending = as_coroutine(sending)
                         waiting_on = step_as(writer.task, writer.context, sending, writer.loop)
                 except StopIteration:
-                    waiting_on = DONE
+                    writer.sent_index = len(chunks)
+                    self.state.delivered_bytes += size
+                    return
                 except OSError:
                     writer.lost("client")
                     return
                 if waiting_on is DONE:
                     writer.sent_index = len(chunks)
-                    self.state.delivered_bytes += len(body)
+                    self.state.delivered_bytes += size
                 else:
-                    writer.wait_for(sending, waiting_on, message, len(body), len(chunks))
+                    writer.wait_for(sending, waiting_on, message, size, len(chunks))
                 return
             generation = self.generation
             if generation is None:

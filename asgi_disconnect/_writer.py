@@ -159,11 +159,12 @@ class ClientWriter:
         inlines this for a body chunk that is not the last."""
         if self._ends(message):
             self.delivery = _FINAL
-        sending = as_coroutine(self.send(message))
+        sending: Any = self.send(message)
         try:
             if self.plain:
                 waiting_on = sending.send(None)
             else:
+                sending = as_coroutine(sending)
                 waiting_on = step_as(self.task, self.context, sending, self.loop)
         except StopIteration:
             waiting_on = DONE

@@ -527,3 +527,11 @@ async def test_other_scopes_pass_through() -> None:
     mw = wrap(app)  # type: ignore[arg-type]
     await mw({"type": "websocket"}, None, None)  # type: ignore[arg-type]
     assert seen == ["websocket"]
+
+
+def test_the_hot_path_spells_the_message_limit_as_the_writers() -> None:
+    from asgi_disconnect._disconnect import _Exchange
+    from asgi_disconnect._writer import MESSAGE_BYTES
+
+    # app_send compares with a constant (a global costs a lookup per chunk): the same one.
+    assert MESSAGE_BYTES in _Exchange.app_send.__code__.co_consts
