@@ -215,7 +215,13 @@ class PendingSettles:
         try:
             await self._apply(settle)
         except Exception as exc:
-            self._keep(settle, exc)
+            if self.keep(settle, exc):
+                logger.warning(
+                    "settling the idempotency claim %r failed (%s); retrying until the store "
+                    "is back",
+                    settle.key,
+                    exc,
+                )
 
     def start(self, settle: _Settle) -> None:
         """:meth:`settle` in a task of its own, which :meth:`drain` waits for."""
@@ -236,20 +242,24 @@ class PendingSettles:
         deadline = loop.time() + timeout
         if self._running:
             await asyncio.wait(set(self._running), timeout=timeout)
+        self._stop_retrying()
         delay = self._FIRST_DELAY
         while self._pending and loop.time() < deadline:
             if not await self._attempt(next(iter(self._pending.values()))):
                 await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
                 delay = min(delay * 2, self._MAX_DELAY)
-        retrying, self._retrying = self._retrying, None
-        if retrying is not None:
-            retrying.cancel()
+        self._stop_retrying()
         if self._pending:
             logger.error(
                 "%d idempotency claim(s) could not be settled before shutdown: the store is "
                 "unreachable; their keys run again once their lease ends",
                 len(self._pending),
             )
+
+    def _stop_retrying(self) -> None:
+        retrying, self._retrying = self._retrying, None
+        if retrying is not None:
+            retrying.cancel()
 
     async def _apply(self, settle: _Settle) -> bool:
         if settle.response is not None:
@@ -262,8 +272,17 @@ class PendingSettles:
             )
         return await self.store.release_claim(settle.principal, settle.key, owner=settle.owner)
 
-    def _keep(self, settle: _Settle, exc: Exception) -> None:
+    def keep(self, settle: _Settle, exc: Exception, *, replace: bool = True) -> bool:
+        """Retry ``settle``, which failed with ``exc``, until the store takes it; False if
+        it was not kept (``max_count`` or ``max_bytes`` reached: logged as an error).
+
+        A settle of a request that ran replaces an older one of its key (whose owner lost
+        the claim, so it would be fenced anyway); with ``replace=False`` (a release after a
+        claim that may not have landed) an older one is kept: it may hold a response.
+        """
         where = (settle.principal, settle.key)
+        if where in self._pending and not replace:
+            return False
         self._forget(where)
         if len(self._pending) >= self.max_count or self._bytes + settle.size > self.max_bytes:
             logger.error(
@@ -274,18 +293,14 @@ class PendingSettles:
                 len(self._pending),
                 self._bytes,
             )
-            return
+            return False
         self._pending[where] = settle
         self._bytes += settle.size
-        logger.warning(
-            "settling the idempotency claim %r failed (%s); retrying until the store is back",
-            settle.key,
-            exc,
-        )
         retrying = self._retrying
         loop = asyncio.get_running_loop()
         if retrying is None or retrying.done() or retrying.get_loop() is not loop:
             self._retrying = loop.create_task(self._retry())
+        return True
 
     def _forget(self, where: tuple[str, str]) -> None:
         old = self._pending.pop(where, None)
@@ -305,7 +320,7 @@ class PendingSettles:
         where = (settle.principal, settle.key)
         if self._pending.get(where) is settle:
             self._forget(where)
-            if not held:
+            if not held and settle.response is not None:
                 # Its lease ended and a retry took the key over, or an earlier try landed.
                 logger.warning(
                     "the idempotency claim %r was no longer held when its settle was retried",
@@ -317,14 +332,21 @@ class PendingSettles:
         delay = self._FIRST_DELAY
         settled = 0
         while self._pending:
-            if await self._attempt(next(iter(self._pending.values()))):
+            settle = next(iter(self._pending.values()))
+            if await self._attempt(settle):
                 settled += 1
                 delay = self._FIRST_DELAY
                 continue
+            where = (settle.principal, settle.key)
+            if self._pending.get(where) is settle:
+                # To the back: one settle that keeps failing must not hold up the others.
+                del self._pending[where]
+                self._pending[where] = settle
             # Jitter, so that replicas that lost the store together do not retry in step.
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, self._MAX_DELAY)
-        logger.warning("the idempotency store is back: %d pending claim(s) settled", settled)
+        if settled:
+            logger.warning("the idempotency store is back: %d pending claim(s) settled", settled)
 
 
 def _retrieve(future: asyncio.Future[bool]) -> None:
@@ -486,6 +508,11 @@ class IdempotencyMiddleware:
                 principal, key, fingerprint, owner=owner, lease=self.lease, ttl=self.ttl
             )
         except Exception as exc:
+            # The insert may have committed before the store failed: release what it may
+            # hold once the store is back, so a retry runs then instead of waiting a lease.
+            self.pending_settles.keep(
+                _Settle(principal, key, owner, None, self.ttl), exc, replace=False
+            )
             if self.fail_open:
                 logger.warning("idempotency store unreachable (%s); running unclaimed", exc)
                 await self.app(scope, _replay_receive(body, receive), send)
