@@ -18,7 +18,9 @@ from asgi_disconnect import connect, disconnect_policy, install
 
 RUNS = os.environ["FAULTS_RUNS"]
 SLEEP = float(os.environ.get("FAULTS_SLEEP", "1.5"))
+# Keys named slow-... and mid-... sleep for as long as these say.
 SLOW = float(os.environ.get("FAULTS_SLOW", str(SLEEP)))
+MID = float(os.environ.get("FAULTS_MID", str(SLEEP)))
 
 
 def note(event: str, key: str) -> None:
@@ -31,7 +33,8 @@ async def charge(request: Request) -> JSONResponse:
     key = request.headers["idempotency-key"]
     body = await request.body()
     note("start", key)
-    await asyncio.sleep(SLOW if key.startswith("slow-") else SLEEP)
+    prefix = key.partition("-")[0]
+    await asyncio.sleep(SLOW if prefix == "slow" else MID if prefix == "mid" else SLEEP)
     note("end", key)
     # A new charge id per run: a second run can never pass for a replay.
     return JSONResponse({"key": key, "charge": secrets.token_hex(12), "bytes": len(body)})
