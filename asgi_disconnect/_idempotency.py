@@ -358,13 +358,15 @@ class IdempotencyMiddleware:
     """Runs each (principal, key) once; retries get the stored response or a clear refusal.
 
     - claim: one conditional insert in ``backend`` (``ClaimStore``), leased by the
-      store's clock and renewed while the request runs;
+      store's clock and renewed by the request while it runs, never after;
     - completed, same fingerprint: the stored status, allow-listed headers and body,
       chunk by chunk, with ``Idempotent-Replayed: true``;
     - still running: 409 with ``Retry-After``; another body under the key: 422;
     - 2xx and 4xx are stored (5xx too with ``store_server_errors``, as Stripe does);
       other 5xx, exceptions and cancellation release the claim so a retry runs again;
-    - store unreachable: 503 with ``Retry-After`` (``fail_open=True`` runs the request).
+    - store unreachable: 503 with ``Retry-After`` (``fail_open=True`` runs the request);
+      a settle it refuses is kept and retried until it lands (:class:`PendingSettles`,
+      bounded by ``max_pending_settles`` and ``max_pending_bytes``).
     """
 
     def __init__(
