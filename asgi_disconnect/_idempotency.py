@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hashlib
 import hmac
@@ -299,7 +300,8 @@ class PendingSettles:
         retrying = self._retrying
         loop = asyncio.get_running_loop()
         if retrying is None or retrying.done() or retrying.get_loop() is not loop:
-            self._retrying = loop.create_task(self._retry())
+            # A context of its own: it outlives the request that happened to start it.
+            self._retrying = loop.create_task(self._retry(), context=contextvars.Context())
         return True
 
     def _forget(self, where: tuple[str, str]) -> None:
