@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import secrets
 from typing import TYPE_CHECKING
 
@@ -14,6 +16,8 @@ if TYPE_CHECKING:
     from ._contract import ClaimStore
 
 __all__ = ["once"]
+
+logger = logging.getLogger("asgi_disconnect")
 
 
 # Effect guards live in a principal namespace of their own.
@@ -33,12 +37,27 @@ async def once(
     owner = secrets.token_hex(8)
     claim = await store.claim(_ONCE, key, b"", owner=owner, lease=lease, ttl=ttl)
     first = claim.state is ClaimState.ACQUIRED
+    if not first:
+        yield False
+        return
+    # Renewed while the block runs and never after, so a claim we fail to complete (or
+    # whose process died) expires at its lease instead of holding the key for good.
+    renewing = asyncio.ensure_future(_renew(store, owner, lease))
     try:
-        yield first
+        yield True
     except BaseException:
-        if first:
-            await store.release_claim(_ONCE, key, owner=owner)
+        renewing.cancel()
+        await store.release_claim(_ONCE, key, owner=owner)
         raise
-    if first:
-        done = StoredResponse(status=200, headers=[], chunks=[])
-        await store.complete_claim(_ONCE, key, owner=owner, response=done, ttl=ttl)
+    renewing.cancel()
+    done = StoredResponse(status=200, headers=[], chunks=[])
+    await store.complete_claim(_ONCE, key, owner=owner, response=done, ttl=ttl)
+
+
+async def _renew(store: ClaimStore, owner: str, lease: float) -> None:
+    while True:
+        await asyncio.sleep(lease / 3)
+        try:
+            await store.renew_claims(owner, lease)
+        except Exception as exc:
+            logger.warning("renewing an effect guard's lease failed: %s", exc)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hashlib
 import hmac
 import inspect
 import logging
 import math
+import random
 import re
 import secrets
 from contextvars import ContextVar
@@ -166,17 +168,207 @@ def _missing_response() -> Any:
     return Response(body, status_code=400, media_type="application/problem+json")
 
 
+class _Settle:
+    """How one claim ends: its response stored, or (``response`` None) the claim released."""
+
+    __slots__ = ("key", "owner", "principal", "response", "size", "trying", "ttl")
+
+    def __init__(
+        self, principal: str, key: str, owner: str, response: StoredResponse | None, ttl: float
+    ) -> None:
+        self.principal = principal
+        self.key = key
+        self.owner = owner
+        self.response = response
+        self.ttl = ttl
+        self.size = 0 if response is None else sum(map(len, response.chunks))
+        self.trying: asyncio.Future[bool] | None = None
+
+
+class PendingSettles:
+    """Settles the store could not take, retried with backoff until it takes them.
+
+    A response may reach its client while the store is down; its claim must still end
+    stored, or a retry after the lease would run the request again. So a settle that
+    fails is kept here, in memory and bounded (``max_count`` settles, ``max_bytes`` of
+    stored bodies), and one task retries them oldest first, backing off from 50 ms to
+    2 s while the store stays down, for as long as the process lives. Nothing renews a
+    pending claim: if the process dies, its key expires at its lease.
+    """
+
+    _FIRST_DELAY = 0.05
+    _MAX_DELAY = 2.0
+
+    def __init__(self, store: ClaimStore, *, max_count: int, max_bytes: int) -> None:
+        self.store = store
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self._pending: dict[tuple[str, str], _Settle] = {}
+        self._bytes = 0
+        self._retrying: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    async def settle(self, settle: _Settle) -> None:
+        """Store or release the claim now; if the store fails, keep it and retry later."""
+        try:
+            await self._apply(settle)
+        except Exception as exc:
+            if self.keep(settle, exc):
+                logger.warning(
+                    "settling the idempotency claim %r failed (%s); retrying until the store "
+                    "is back",
+                    settle.key,
+                    exc,
+                )
+
+    def start(self, settle: _Settle) -> None:
+        """:meth:`settle` in a task of its own, which :meth:`drain` waits for."""
+        task = asyncio.ensure_future(self.settle(settle))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def retry_now(self, principal: str, key: str) -> None:
+        """One more try for the key's pending settle, if it has one (a retry came in)."""
+        settle = self._pending.get((principal, key))
+        if settle is not None:
+            await self._attempt(settle)
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        """At shutdown: finish the settles under way and retry the pending ones, for up
+        to ``timeout`` seconds; what is left expires at its lease."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=timeout)
+        self._stop_retrying()
+        delay = self._FIRST_DELAY
+        while self._pending and loop.time() < deadline:
+            if not await self._attempt(next(iter(self._pending.values()))):
+                await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+                delay = min(delay * 2, self._MAX_DELAY)
+        self._stop_retrying()
+        if self._pending:
+            logger.error(
+                "%d idempotency claim(s) could not be settled before shutdown: the store is "
+                "unreachable; their keys run again once their lease ends",
+                len(self._pending),
+            )
+
+    def _stop_retrying(self) -> None:
+        retrying, self._retrying = self._retrying, None
+        if retrying is not None:
+            retrying.cancel()
+
+    async def _apply(self, settle: _Settle) -> bool:
+        if settle.response is not None:
+            return await self.store.complete_claim(
+                settle.principal,
+                settle.key,
+                owner=settle.owner,
+                response=settle.response,
+                ttl=settle.ttl,
+            )
+        return await self.store.release_claim(settle.principal, settle.key, owner=settle.owner)
+
+    def keep(self, settle: _Settle, exc: Exception, *, replace: bool = True) -> bool:
+        """Retry ``settle``, which failed with ``exc``, until the store takes it; False if
+        it was not kept (``max_count`` or ``max_bytes`` reached: logged as an error).
+
+        A settle of a request that ran replaces an older one of its key (whose owner lost
+        the claim, so it would be fenced anyway); with ``replace=False`` (a release after a
+        claim that may not have landed) an older one is kept: it may hold a response.
+        """
+        where = (settle.principal, settle.key)
+        if where in self._pending and not replace:
+            return False
+        self._forget(where)
+        if len(self._pending) >= self.max_count or self._bytes + settle.size > self.max_bytes:
+            logger.error(
+                "settling the idempotency claim %r failed (%s) and %d settles (%d bytes) are "
+                "pending already; dropped: the key runs again once its lease ends",
+                settle.key,
+                exc,
+                len(self._pending),
+                self._bytes,
+            )
+            return False
+        self._pending[where] = settle
+        self._bytes += settle.size
+        retrying = self._retrying
+        loop = asyncio.get_running_loop()
+        if retrying is None or retrying.done() or retrying.get_loop() is not loop:
+            # A context of its own: it outlives the request that happened to start it.
+            self._retrying = loop.create_task(self._retry(), context=contextvars.Context())
+        return True
+
+    def _forget(self, where: tuple[str, str]) -> None:
+        old = self._pending.pop(where, None)
+        if old is not None:
+            self._bytes -= old.size
+
+    async def _attempt(self, settle: _Settle) -> bool:
+        """One try, shared by everyone who asks while it is under way; True if it is done."""
+        trying = settle.trying
+        if trying is None or trying.done():
+            trying = settle.trying = asyncio.ensure_future(self._apply(settle))
+            trying.add_done_callback(_retrieve)
+        try:
+            held = await asyncio.shield(trying)
+        except Exception:
+            return False
+        where = (settle.principal, settle.key)
+        if self._pending.get(where) is settle:
+            self._forget(where)
+            if not held and settle.response is not None:
+                # Its lease ended and a retry took the key over, or an earlier try landed.
+                logger.warning(
+                    "the idempotency claim %r was no longer held when its settle was retried",
+                    settle.key,
+                )
+        return True
+
+    async def _retry(self) -> None:
+        delay = self._FIRST_DELAY
+        settled = 0
+        while self._pending:
+            settle = next(iter(self._pending.values()))
+            if await self._attempt(settle):
+                settled += 1
+                delay = self._FIRST_DELAY
+                continue
+            where = (settle.principal, settle.key)
+            if self._pending.get(where) is settle:
+                # To the back: one settle that keeps failing must not hold up the others.
+                del self._pending[where]
+                self._pending[where] = settle
+            # Jitter, so that replicas that lost the store together do not retry in step.
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, self._MAX_DELAY)
+        if settled:
+            logger.warning("the idempotency store is back: %d pending claim(s) settled", settled)
+
+
+def _retrieve(future: asyncio.Future[bool]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class IdempotencyMiddleware:
     """Runs each (principal, key) once; retries get the stored response or a clear refusal.
 
     - claim: one conditional insert in ``backend`` (``ClaimStore``), leased by the
-      store's clock and renewed while the request runs;
+      store's clock and renewed by the request while it runs, never after;
     - completed, same fingerprint: the stored status, allow-listed headers and body,
       chunk by chunk, with ``Idempotent-Replayed: true``;
     - still running: 409 with ``Retry-After``; another body under the key: 422;
     - 2xx and 4xx are stored (5xx too with ``store_server_errors``, as Stripe does);
       other 5xx, exceptions and cancellation release the claim so a retry runs again;
-    - store unreachable: 503 with ``Retry-After`` (``fail_open=True`` runs the request).
+    - store unreachable: 503 with ``Retry-After`` (``fail_open=True`` runs the request);
+      a settle it refuses is kept and retried until it lands (:class:`PendingSettles`,
+      bounded by ``max_pending_settles`` and ``max_pending_bytes``).
     """
 
     def __init__(
@@ -198,11 +390,15 @@ class IdempotencyMiddleware:
         replay_headers: Sequence[str] = (),
         in_flight: Literal["conflict", "attach"] = "conflict",
         store_server_errors: bool = False,
+        max_pending_settles: int = 10_000,
+        max_pending_bytes: int = 64 << 20,
     ) -> None:
         if in_flight not in ("conflict", "attach"):
             raise ValueError("in_flight must be 'conflict' or 'attach'")
         if max_body <= 0 or max_stored <= 0 or lease <= 0 or ttl <= 0:
             raise ValueError("max_body, max_stored, lease and ttl must be positive")
+        if max_pending_settles < 0 or max_pending_bytes < 0:
+            raise ValueError("max_pending_settles and max_pending_bytes must not be negative")
         self.app = app
         self.backend = backend
         self.methods = frozenset(m.upper() for m in methods)
@@ -221,6 +417,9 @@ class IdempotencyMiddleware:
         # Attaching tails the live generation: the backend must be able to read it.
         self.attach = in_flight == "attach" and hasattr(backend, "follow")
         self._noting: set[asyncio.Task[None]] = set()
+        self.pending_settles = PendingSettles(
+            backend, max_count=max_pending_settles, max_bytes=max_pending_bytes
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -257,6 +456,8 @@ class IdempotencyMiddleware:
             "IdempotencyMiddleware",
             unique=True,
             startup=getattr(backend, "open", None),
+            # Before the backend closes: settles the store refused get a last chance.
+            flush=self.pending_settles.drain,
             close=getattr(backend, "aclose", None) or _nothing,
         )
         if owner:
@@ -302,11 +503,20 @@ class IdempotencyMiddleware:
         body = await self._read_body(scope, receive)
         fingerprint = self._fingerprint(scope, body)
         owner = secrets.token_hex(12)
+        if self.pending_settles:
+            # This key's earlier request may have answered while the store was down: store
+            # that answer first, so the claim below replays it instead of running again.
+            await self.pending_settles.retry_now(principal, key)
         try:
             claim = await self.backend.claim(
                 principal, key, fingerprint, owner=owner, lease=self.lease, ttl=self.ttl
             )
         except Exception as exc:
+            # The insert may have committed before the store failed: release what it may
+            # hold once the store is back, so a retry runs then instead of waiting a lease.
+            self.pending_settles.keep(
+                _Settle(principal, key, owner, None, self.ttl), exc, replace=False
+            )
             if self.fail_open:
                 logger.warning("idempotency store unreachable (%s); running unclaimed", exc)
                 await self.app(scope, _replay_receive(body, receive), send)
@@ -464,18 +674,22 @@ class IdempotencyMiddleware:
                     # Stored before the last byte leaves: a client that retries the moment
                     # it has the response gets the replay, not a 409.
                     await shielded(
-                        self._settle(
-                            principal,
-                            key,
-                            owner,
-                            response,
-                            None,
-                            _INCOMPLETE if short else None,
-                            route_ttl(),
+                        self.pending_settles.settle(
+                            self._ending(
+                                principal,
+                                key,
+                                owner,
+                                response,
+                                None,
+                                _INCOMPLETE if short else None,
+                                route_ttl(),
+                            )
                         )
                     )
             await send(message)
 
+        # Renewed while the request runs (for detached work, until the generation ends),
+        # never after: a claim whose settle is pending expires at its lease if we die.
         heartbeat = asyncio.ensure_future(self._heartbeat(owner))
         token = _key_state.set("claimed")
         failure: BaseException | None = None
@@ -488,25 +702,31 @@ class IdempotencyMiddleware:
             raise
         finally:
             _key_state.reset(token)
-            heartbeat.cancel()
             state = scope.get("asgi_disconnect")
             ttl = route_ttl()
             if settled:
-                pass
+                heartbeat.cancel()
             elif isinstance(state, RequestState) and state.detached and not failure:
                 # The generation outlives this request: store it once it has ended.
-                state.on_finished(
-                    lambda: asyncio.ensure_future(
-                        self._settle(principal, key, owner, response, state, None, ttl)
+                def finished() -> None:
+                    heartbeat.cancel()
+                    self.pending_settles.start(
+                        self._ending(principal, key, owner, response, state, None, ttl)
                     )
-                )
+
+                state.on_finished(finished)
             else:
+                heartbeat.cancel()
                 # The response never reached its end (the client left, the app failed or
                 # was cancelled): nothing complete to replay, so a retry runs again.
                 incomplete = failure or _INCOMPLETE
-                await shielded(self._settle(principal, key, owner, response, None, incomplete, ttl))
+                await shielded(
+                    self.pending_settles.settle(
+                        self._ending(principal, key, owner, response, None, incomplete, ttl)
+                    )
+                )
 
-    async def _settle(
+    def _ending(
         self,
         principal: str,
         key: str,
@@ -515,7 +735,8 @@ class IdempotencyMiddleware:
         state: RequestState | None,
         failure: BaseException | None,
         ttl: float,
-    ) -> None:
+    ) -> _Settle:
+        """How the claim ends: the response to store, or a release so that a retry runs."""
         status = response["status"]
         chunks: list[bytes] = response["chunks"]
         generation = state.generation if state is not None else None
@@ -529,21 +750,15 @@ class IdempotencyMiddleware:
             and status < self.store_below
             and sum(map(len, chunks)) <= self.max_stored
         )
-        try:
-            if keep:
-                stored = StoredResponse(
-                    status=status,
-                    headers=response["headers"],
-                    chunks=list(chunks),
-                    generation_id=generation.id if generation is not None else None,
-                )
-                await self.backend.complete_claim(
-                    principal, key, owner=owner, response=stored, ttl=ttl
-                )
-            else:
-                await self.backend.release_claim(principal, key, owner=owner)
-        except Exception:
-            logger.exception("settling the idempotency claim %r failed", key)
+        stored = None
+        if keep:
+            stored = StoredResponse(
+                status=status,
+                headers=response["headers"],
+                chunks=list(chunks),
+                generation_id=generation.id if generation is not None else None,
+            )
+        return _Settle(principal, key, owner, stored, ttl)
 
     async def _heartbeat(self, owner: str) -> None:
         while True:

@@ -83,7 +83,7 @@ class MemoryBackend:
     async def renew_claims(self, owner: str, lease: float) -> None:
         deadline = time.monotonic() + lease
         for held in self._claims.values():
-            if held.response is None and held.owner.startswith(owner):
+            if held.response is None and held.owner == owner:
                 held.lease_until = deadline
 
     async def complete_claim(

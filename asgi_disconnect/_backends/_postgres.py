@@ -361,7 +361,6 @@ class PostgresStore:
 
     async def heartbeat(self, owner: str, lease: float) -> None:
         await self.pool.execute(self._sql["heartbeat"], owner, lease)
-        await self.pool.execute(self._sql["renew_claims"], owner, lease)
 
     # -- claims -----------------------------------------------------------------------
 
@@ -385,6 +384,9 @@ class PostgresStore:
                 return Claim(state=ClaimState.ACQUIRED)
             row = await conn.fetchrow(sql["claim_row"], principal, key)
         return claim_from_row(None if row is None else tuple(row), fingerprint)
+
+    async def renew_claims(self, owner: str, lease: float) -> None:
+        await self.pool.execute(self._sql["renew_claims"], owner, lease)
 
     async def complete_claim(
         self, principal: str, key: str, *, owner: str, response: StoredResponse, ttl: float
@@ -505,6 +507,7 @@ create table if not exists {t}claims (
 );
 create index if not exists asgi_disconnect_claims_expiry on {t}claims (expires_at);
 create index if not exists asgi_disconnect_claims_process on {t}claims (process, status);
+create index if not exists asgi_disconnect_claims_owner on {t}claims (owner);
 create table if not exists {t}chunks (
     generation_id text not null,
     start bigint not null,
@@ -589,7 +592,7 @@ def _statements(t: str) -> dict[str, str]:
             where principal = $1 and key = $2 and owner = $3 and status = 'running'""",
         "renew_claims": f"""
             update {t}claims set lease_until = now() + make_interval(secs => $2)
-            where process = $1 and status = 'running'""",
+            where owner = $1 and status = 'running'""",
         "reap_claims": f"""
             delete from {t}claims where ctid in (
                 select ctid from {t}claims where expires_at < now() limit $1)""",

@@ -84,6 +84,7 @@ create table if not exists asgi_disconnect_claims (
 create index if not exists asgi_disconnect_claims_expiry on asgi_disconnect_claims (expires_at);
 create index if not exists asgi_disconnect_claims_process
     on asgi_disconnect_claims (process, status);
+create index if not exists asgi_disconnect_claims_owner on asgi_disconnect_claims (owner);
 create table if not exists asgi_disconnect_chunks (
     generation_id text not null,
     start integer not null,
@@ -249,11 +250,6 @@ class SQLiteStore:
                 "where owner = ? and status = 'running'",
                 (lease, owner),
             )
-            db.execute(
-                f"update asgi_disconnect_claims set lease_until = {_NOW} + ? "
-                "where process = ? and status = 'running'",
-                (lease, owner),
-            )
 
         await self._run(self._write, renew)
 
@@ -351,6 +347,16 @@ class SQLiteStore:
             return claim_from_row(row, fingerprint)
 
         return await self._run(self._write, take)
+
+    async def renew_claims(self, owner: str, lease: float) -> None:
+        def renew(db: sqlite3.Connection) -> None:
+            db.execute(
+                f"update asgi_disconnect_claims set lease_until = {_NOW} + ? "
+                "where owner = ? and status = 'running'",
+                (lease, owner),
+            )
+
+        await self._run(self._write, renew)
 
     async def complete_claim(
         self, principal: str, key: str, *, owner: str, response: StoredResponse, ttl: float
