@@ -515,15 +515,23 @@ class _Exchange:
             else:
                 self.app_ended(None)
         finally:
-            try:
-                if self.writer is not None:
-                    await self._join_writer()
-            finally:
+            writer = self.writer
+            if writer is None:
                 watcher = self.watcher
                 if watcher is not None and not watcher.done() and not state.detached:
                     watcher.cancel()
-                self._finish()
-        writer = self.writer
+                if self.delivery is _DONE and self.app_outcome == "returned":
+                    state.finish(_ENDING_DELIVERED)  # a response sent in one piece
+                else:
+                    self._finish()
+            else:
+                try:
+                    await self._join_writer()
+                finally:
+                    watcher = self.watcher
+                    if watcher is not None and not watcher.done() and not state.detached:
+                        watcher.cancel()
+                    self._finish()
         refused = writer.error if writer is not None else None
         if refused is not None and (failure is None or self.cancelled_by_policy):
             raise refused
