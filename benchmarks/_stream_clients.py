@@ -7,7 +7,8 @@ Each client POSTs a streaming chat completion (``connection: close``) and is one
 - ``stall``: reads a little (5-30% of the stream), then stops reading with the socket open,
   its receive buffer shrunk so the server feels it, and closes after ``--stall-seconds``.
 
-Prints one JSON object: per client its kind, time to first body byte, bytes and tokens read.
+Prints one JSON object: per client its kind, time to first body byte, how long it lasted,
+bytes and tokens read.
 
     python -m benchmarks._stream_clients --port 8000 --streams 100 --seconds 10
 """
@@ -120,6 +121,7 @@ async def one_client(
         error = type(exc).__name__
     finally:
         sock.close()
+    ended_at = loop.time() - began
     body, ended = dechunk(bytes(raw))
     status = raw[9:12].decode("latin-1") if raw.startswith(b"HTTP/1.1 ") else ""
     return {
@@ -128,6 +130,7 @@ async def one_client(
         "kind": kind,
         "status": status,
         "ttfb": ttfb,
+        "duration": ended_at,
         "bytes": len(body),
         "tokens": body.count(TOKEN),
         "complete": ended and b"data: [DONE]" in body,

@@ -8,7 +8,10 @@ and each contender in turn (the order rotates between levels), N clients open th
 within ``--ramp`` seconds: 20% disconnect mid-stream, 5% stall (stop reading with the socket
 open and a small receive buffer, and close after ``--stall-seconds``), the rest read to the
 end. Streams are ``--seconds`` long (default 10) and about ``--kb`` KB (default 49, the
-figures of the issue), paced by the provider.
+figures of the issue), paced by the provider. The same seed gives every contender the same
+clients, disconnecting and stalling at the same moments. A stream of 49 KB fits in the
+socket buffers of a stalled client and the server, so a stall usually goes unnoticed by the
+server: its record says ``complete`` unless the client closes before the stream ends.
 
 Per contender and level it prints:
 
@@ -23,8 +26,12 @@ Per contender and level it prints:
   and after the level settled; per stream: (peak - idle) / N;
 - billed / delivered: tokens FakeProvider sent upstream (``tokens_sent``) against tokens
   the clients received;
-- upstream p50: how long the provider took for streams that finished, against ``--seconds``:
-  much longer means the load side (provider and clients share one core) was the bottleneck.
+- reached p50 / p99: from sending the request to its arrival at the provider (the
+  gateway's share of the TTFB: a saturated server shows here first);
+- upstream / client: p50 length of a complete stream at the provider and at the client,
+  against ``--seconds``: a longer client figure means the server fell behind the provider,
+  a longer upstream figure that the load side (provider and clients share one core) did;
+  ``load core`` is that side's CPU over wall time.
 
 With two cores or more, the servers run on one core and the provider (a thread of this
 process) and the clients (a process of their own) on another, so the load is never
@@ -44,6 +51,7 @@ import json
 import os
 import resource
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -168,6 +176,7 @@ class Result:
     billed: int
     delivered: int
     upstream_p50: float | None
+    stream_p50: float | None
     load_busy: float
     settled: bool
     notes: list[str] = field(default_factory=list)
@@ -271,6 +280,7 @@ def run_level(
         billed=sum(r.tokens_sent for r in requests),
         delivered=sum(c["tokens"] for c in clients),
         upstream_p50=statistics.median(finished) if finished else None,
+        stream_p50=percentile([c["duration"] for c in clients if c["complete"]], 0.5),
         load_busy=sum(load_cpu) / load_wall,
         settled=settled,
         notes=notes,
@@ -314,6 +324,7 @@ COLUMNS = (
     ("billed", 7),
     ("delivered", 9),
     ("upstream", 8),
+    ("client", 6),
     ("load core", 9),
 )
 
@@ -334,6 +345,7 @@ def row(r: Result) -> list[str]:
         str(r.billed),
         str(r.delivered),
         "-" if r.upstream_p50 is None else f"{r.upstream_p50:.1f}s",
+        "-" if r.stream_p50 is None else f"{r.stream_p50:.1f}s",
         f"{r.load_busy:.0%}",
     ]
 
@@ -365,8 +377,9 @@ def print_table(results: list[Result], args: argparse.Namespace, tokens: int) ->
         for note in r.notes:
             print(f"{'':9} {note}")
     print(
-        "reached: request sent to its arrival at the provider; upstream: p50 length of the "
-        "provider's finished streams; load core: CPU of provider + clients / wall time"
+        "reached: from sending the request to its arrival at the provider; upstream, client: "
+        "p50 length of a complete stream at the provider and at the client; load core: CPU of "
+        "provider + clients / wall time"
     )
 
 
@@ -393,6 +406,7 @@ def main() -> None:
     parser.add_argument("--pg-dsn", default=PG_DSN)
     parser.add_argument("--json", type=Path, help="also write the results there")
     parser.add_argument("--verbose", action="store_true", help="usage record outcomes")
+    parser.add_argument("--keep", action="store_true", help="keep the server logs and database")
     args = parser.parse_args()
     if args.stall_seconds is None:
         args.stall_seconds = args.seconds
@@ -446,7 +460,10 @@ def main() -> None:
     if "postgres" in args.backend:
         asyncio.run(_drop_schema(args.pg_dsn, schema))
     print_table(results, args, tokens)
-    print(f"server logs: {workdir}")
+    if args.keep:
+        print(f"server logs and the SQLite database: {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
 
