@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from types import TracebackType
 
-__all__ = ["FakeProvider", "Fault", "FaultKind", "ProviderRequest"]
+__all__ = ["GARBAGE", "FakeProvider", "Fault", "FaultKind", "ProviderRequest"]
 
 OPENAI_CHAT = "openai_chat"
 ANTHROPIC_MESSAGES = "anthropic_messages"
