@@ -9,13 +9,15 @@
   :func:`h2_stalled_request` do the same over HTTP/2, where stalling means a flow-control
   window that is never reopened.
 - :class:`FakeProvider` streams OpenAI-chat and Anthropic-messages SSE over real TCP and
-  records, per request, how many tokens it generated before its connection closed.
+  records, per request, how many tokens it generated before its connection closed; a
+  :class:`Fault` (for every request, or per request by header) makes it reset, stall, send
+  garbage, end without its terminal marker or answer an error status.
 """
 
 from __future__ import annotations
 
 from ._driver import DriveResult, drive, lifespan
-from ._fake_provider import FakeProvider, ProviderRequest
+from ._fake_provider import FakeProvider, Fault, FaultKind, ProviderRequest
 from ._h2_client import h2_request, h2_stalled_request
 from ._servers import SERVERS, RunningServer, ServerName, run_server
 from ._socket_client import ClientResult, StalledClient, request, stalled_request
@@ -24,6 +26,8 @@ __all__ = [
     "ClientResult",
     "DriveResult",
     "FakeProvider",
+    "Fault",
+    "FaultKind",
     "ProviderRequest",
     "RunningServer",
     "SERVERS",

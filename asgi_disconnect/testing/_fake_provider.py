@@ -2,7 +2,9 @@
 
 It records every API call and, crucially, notices a client that hangs up while a response is
 being generated (a concurrent reader sees EOF), so tests can assert that abandoned upstream calls
-really stopped.
+really stopped. It can also misbehave as real upstreams do (a :class:`Fault`, per request or for
+every request): reset the connection, stall, send garbage, end without the terminal marker, or
+answer an HTTP error status instead of streaming.
 """
 
 from __future__ import annotations
@@ -13,16 +15,18 @@ import itertools
 import json
 import math
 import re
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from types import TracebackType
 
-__all__ = ["FakeProvider", "ProviderRequest"]
+__all__ = ["GARBAGE", "FakeProvider", "Fault", "FaultKind", "ProviderRequest"]
 
 OPENAI_CHAT = "openai_chat"
 ANTHROPIC_MESSAGES = "anthropic_messages"
@@ -33,11 +37,20 @@ _REASONS = {
     100: "Continue",
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
     404: "Not Found",
+    408: "Request Timeout",
+    409: "Conflict",
     411: "Length Required",
     413: "Content Too Large",
+    422: "Unprocessable Content",
+    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
     529: "Overloaded",
 }
 _DIGITS = re.compile(r"[0-9]+")
@@ -97,12 +110,105 @@ class _Signal:
                     self._waiters.discard(waiter)
 
 
+FaultKind = Literal["reset", "stall", "garbage", "truncate", "error", "status"]
+_AFTER_KINDS: tuple[FaultKind, ...] = ("reset", "stall", "garbage", "truncate", "error")
+_FAULT_GRAMMAR = (
+    "none | reset-after=N | stall-after=N[;seconds=S] | garbage-after=N | truncate-after=N"
+    " | error-after=N | status=CODE (400-599)"
+)
+# What a proxy in front of a provider sends in its place: not UTF-8, not an event stream.
+GARBAGE = (
+    b"\x00\xde\xad\xbe\xef\xff\xfe not an event stream\r\n"
+    b"<html><body><h1>502 Bad Gateway</h1></body></html>\r\n"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """How a response misbehaves. ``Fault.parse`` reads the ``x-fake-fault`` header's form.
+
+    - ``reset-after=N``: after N tokens the connection is reset (TCP RST, ``SO_LINGER`` 0);
+    - ``stall-after=N;seconds=S``: after N tokens nothing is sent for S seconds, the socket
+      open, then the stream goes on; without ``seconds`` (or ``inf``) it stalls until the
+      client or the server closes;
+    - ``garbage-after=N``: after N tokens, bytes that are no event stream (`GARBAGE`), then
+      the end of the body and of the connection;
+    - ``truncate-after=N``: after N tokens the chunked body ends cleanly, without the finish,
+      usage and terminal frames (``data: [DONE]``, ``message_stop``);
+    - ``error-after=N``: after N tokens, the provider's own mid-stream error frame;
+    - ``status=CODE``: that HTTP status (400-599) with the provider's JSON error body (and
+      ``retry-after`` for 429, 503 and 529) instead of a response.
+
+    ``N`` past the response's token count means after its last token; ``after=0`` is after
+    the preamble frames, before the first token. For a call without ``"stream": true`` the
+    tokens are counted as they are generated: ``reset`` and ``stall`` happen before the
+    response, ``garbage`` replaces its JSON body and ``truncate`` sends the first half of it.
+    """
+
+    kind: FaultKind
+    after: int = 0
+    seconds: float = math.inf
+    status: int = 500
+
+    def __post_init__(self) -> None:
+        if self.kind not in (*_AFTER_KINDS, "status"):
+            raise ValueError(f"unknown fault kind {self.kind!r}; one of: {_FAULT_GRAMMAR}")
+        if self.after < 0:
+            raise ValueError(f"after must not be negative, got {self.after}")
+        if not self.seconds >= 0:  # NaN too
+            raise ValueError(f"seconds must not be negative, got {self.seconds}")
+        if not 400 <= self.status <= 599:
+            raise ValueError(f"status must be 400-599, got {self.status}")
+
+    @classmethod
+    def parse(cls, text: str) -> Fault | None:
+        """``"reset-after=20"`` -> ``Fault(kind="reset", after=20)``; ``"none"`` -> None."""
+        spec = text.strip().lower()
+        if spec in ("", "none"):
+            return None
+        head, *params = (part.strip() for part in spec.split(";"))
+        name, _, value = head.partition("=")
+        options: dict[str, str] = {}
+        for param in params:
+            key, eq, option = param.partition("=")
+            if not eq or key.strip() != "seconds" or name != "stall-after" or "seconds" in options:
+                raise ValueError(f"unexpected {param!r} in fault {text!r}; {_FAULT_GRAMMAR}")
+            options["seconds"] = option.strip()
+        try:
+            if name == "status":
+                return cls(kind="status", status=_strict_int(value))
+            kind = name.removesuffix("-after")
+            if kind == name or kind not in _AFTER_KINDS:
+                raise ValueError(f"unknown fault {name!r}")
+            seconds = float(options.get("seconds", "inf"))
+            return cls(kind=kind, after=_strict_int(value), seconds=seconds)
+        except ValueError as exc:
+            raise ValueError(f"invalid fault {text!r} ({exc}); {_FAULT_GRAMMAR}") from None
+
+    def __str__(self) -> str:
+        if self.kind == "status":
+            return f"status={self.status}"
+        text = f"{self.kind}-after={self.after}"
+        if self.kind == "stall" and not math.isinf(self.seconds):
+            text += f";seconds={self.seconds:g}"
+        return text
+
+
+def _strict_int(value: str) -> int:
+    value = value.strip()
+    if not _DIGITS.fullmatch(value):
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return int(value)
+
+
 class ProviderRequest:
     """One recorded API call; the server thread updates its fields (under a lock) as it goes.
 
     `closed_at` is when the exchange ended: the response finished, the error frame was sent,
     the client hung up, or the server stopped. `tokens_generated` counts tokens produced so far
-    (for a non-streaming call they are only sent, all at once, at the end).
+    (for a non-streaming call they are only sent, all at once, at the end). `fault` is the
+    fault chosen for this call (the ``x-fake-fault`` header, else the provider's), and
+    `fault_applied` whether the response got that far and misbehaved.
     """
 
     def __init__(
@@ -115,6 +221,7 @@ class ProviderRequest:
         body: dict[str, Any],
         stream: bool,
         tokens_planned: int,
+        fault: Fault | None,
         signal: _Signal,
     ) -> None:
         self.id = id
@@ -129,6 +236,8 @@ class ProviderRequest:
         self.finished = False
         self.error_sent = False
         self.connection_closed_early = False
+        self.fault = fault
+        self.fault_applied = False
         self.started_at = time.monotonic()
         self.closed_at: float | None = None
         self._signal = signal
@@ -139,7 +248,9 @@ class ProviderRequest:
             f"tokens_planned={self.tokens_planned}, tokens_generated={self.tokens_generated}, "
             f"tokens_sent={self.tokens_sent}, finished={self.finished}, "
             f"error_sent={self.error_sent}, "
-            f"connection_closed_early={self.connection_closed_early}, closed_at={self.closed_at})"
+            f"connection_closed_early={self.connection_closed_early}, "
+            f"fault={None if self.fault is None else str(self.fault)!r}, "
+            f"fault_applied={self.fault_applied}, closed_at={self.closed_at})"
         )
 
     def _is_closed(self) -> bool:
@@ -157,6 +268,11 @@ class ProviderRequest:
         with self._signal.lock:
             self.tokens_generated += generated
             self.tokens_sent += sent
+
+    def _apply_fault(self) -> None:
+        with self._signal.lock:
+            self.fault_applied = True
+            self._signal.notify()
 
     def _end(self, *, finished: bool = False, error: bool = False, early: bool = False) -> None:
         with self._signal.lock:
@@ -177,6 +293,9 @@ class _Plan:
     first_token_delay: float
     error_after: int | None
     include_usage: bool
+    fault: Fault | None
+    # The token index at which a reset, stall, garbage or truncate fault strikes.
+    fault_at: int | None
 
 
 @dataclass(frozen=True)
@@ -218,13 +337,47 @@ def _chunk(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
+_ANTHROPIC_KINDS = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+_OPENAI_KINDS = {
+    401: ("invalid_request_error", "invalid_api_key"),
+    429: ("requests", "rate_limit_exceeded"),
+}
+
+
 def _error_json(api: str, status: int, message: str) -> dict[str, Any]:
     if api == ANTHROPIC_MESSAGES:
-        kinds = {404: "not_found_error", 500: "api_error", 529: "overloaded_error"}
-        kind = kinds.get(status, "invalid_request_error")
+        default = "api_error" if status >= 500 else "invalid_request_error"
+        kind = _ANTHROPIC_KINDS.get(status, default)
         return {"type": "error", "error": {"type": kind, "message": message}}
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    default_kind = "server_error" if status >= 500 else "invalid_request_error"
+    kind, code = _OPENAI_KINDS.get(status, (default_kind, None))
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def _fault_message(api: str, status: int, model: str) -> str:
+    """What the provider says for that status, near enough to the real messages."""
+    if status == 429:
+        if api == ANTHROPIC_MESSAGES:
+            return "This request would exceed your organization's rate limit."
+        return (
+            f"Rate limit reached for {model} in organization org-fake on requests per min "
+            "(RPM): Limit 3, Used 3, Requested 1. Please try again in 20s."
+        )
+    if status == 529:
+        return "Overloaded"
+    if status >= 500:
+        if api == ANTHROPIC_MESSAGES:
+            return "Internal server error"
+        return "The server had an error while processing your request. Sorry about that!"
+    return f"The request was refused with {status} (injected by x-fake-fault)."
 
 
 class _Format(Protocol):
@@ -458,6 +611,15 @@ class _Connection:
         self.server_closing = True
         self.writer.transport.abort()
 
+    async def reset(self) -> None:
+        """Close with a TCP RST (``SO_LINGER`` 0) once the bytes written so far left."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None:
+            await _wait_unsent(sock)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.writer.transport.abort()
+
     async def close(self) -> None:
         self._read_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -519,6 +681,24 @@ def _header_count(headers: dict[str, str], name: str) -> int | None:
     return int(raw)
 
 
+async def _wait_unsent(sock: Any, timeout: float = 1.0) -> None:
+    """Wait until the kernel sent what was written: a reset discards bytes still queued."""
+    try:
+        import fcntl
+        import termios
+    except ImportError:  # not Linux-like: reset at once
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))
+        except OSError:
+            return
+        if queued[0] == 0:
+            return
+        await asyncio.sleep(0.001)
+
+
 async def _sleep_until(deadline: float) -> None:
     delay = deadline - asyncio.get_running_loop().time()
     # Always yield, so a zero-delay stream still lets the reader notice a hang-up.
@@ -534,9 +714,14 @@ def _quiet_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str,
 class FakeProvider:
     """A fake OpenAI/Anthropic streaming endpoint running its own event loop in a daemon thread.
 
+    Routes: ``POST /v1/chat/completions`` (OpenAI Chat Completions), ``POST /v1/messages``
+    (Anthropic Messages), both streaming with ``"stream": true``; ``GET /health``.
+
     Per-request overrides (request headers): ``x-fake-tokens``, ``x-fake-rate`` (tokens/s,
-    0 or ``inf`` for as fast as possible), ``x-fake-first-token-delay`` (seconds) and
-    ``x-fake-error-after`` (send the provider's mid-stream error frame after that many tokens).
+    0 or ``inf`` for as fast as possible), ``x-fake-first-token-delay`` (seconds),
+    ``x-fake-error-after`` (send the provider's mid-stream error frame after that many tokens)
+    and ``x-fake-fault`` (a :class:`Fault` in its text form, ``reset-after=20``, or ``none``),
+    which replaces the provider's ``fault`` for that request, so one provider serves a mix.
     """
 
     def __init__(
@@ -547,6 +732,7 @@ class FakeProvider:
         first_token_delay: float = 0.0,
         input_tokens: int = 12,
         model: str = "fake-model",
+        fault: Fault | str | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
@@ -555,6 +741,7 @@ class FakeProvider:
         self.first_token_delay = first_token_delay
         self.input_tokens = input_tokens
         self.model = model
+        self.fault = Fault.parse(fault) if isinstance(fault, str) else fault
         self.host = host
         self.port = port
         self._signal = _Signal()
@@ -769,6 +956,20 @@ class FakeProvider:
             tokens = min(tokens, max_tokens) if cut else tokens
         rate = _header_number(headers, "x-fake-rate", self.tokens_per_second)
         error_after = _header_count(headers, "x-fake-error-after")
+        if error_after is not None and error_after > tokens:
+            error_after = None
+        fault = self.fault
+        raw_fault = headers.get("x-fake-fault")
+        if raw_fault is not None:
+            try:
+                fault = Fault.parse(raw_fault)
+            except ValueError as exc:
+                raise _HttpError(400, f"header x-fake-fault: {exc}") from None
+        fault_at = None
+        if fault is not None and fault.kind == "error":
+            error_after = min(fault.after, tokens)
+        elif fault is not None and fault.kind != "status":
+            fault_at = min(fault.after, tokens)
         options = body.get("stream_options")
         return _Plan(
             tokens=tokens,
@@ -777,8 +978,10 @@ class FakeProvider:
             first_token_delay=_header_number(
                 headers, "x-fake-first-token-delay", self.first_token_delay
             ),
-            error_after=error_after if error_after is not None and error_after <= tokens else None,
+            error_after=error_after,
             include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+            fault=fault,
+            fault_at=fault_at,
         )
 
     def _record(
@@ -792,6 +995,7 @@ class FakeProvider:
             body=body,
             stream=body.get("stream") is True,
             tokens_planned=plan.tokens,
+            fault=plan.fault,
             signal=self._signal,
         )
         with self._signal.lock:
@@ -836,7 +1040,13 @@ class FakeProvider:
         plan: _Plan,
         keep_alive: bool,
     ) -> bool:
-        keep_alive = keep_alive and plan.error_after is None
+        fault = plan.fault
+        if fault is not None and fault.kind == "status":
+            return await self._refuse(connection, record, fault.status, keep_alive)
+        breaks = plan.error_after is not None or (
+            fault is not None and fault.kind in ("reset", "garbage")
+        )
+        keep_alive = keep_alive and not breaks
         headers = [
             ("content-type", "text/event-stream"),
             ("cache-control", "no-cache"),
@@ -850,10 +1060,30 @@ class FakeProvider:
         for index in range(plan.tokens + 1):
             await _sleep_until(start + index * plan.seconds_per_token)
             if index == plan.error_after:
+                if fault is not None and fault.kind == "error":
+                    record._apply_fault()
                 await connection.send(_chunk(fmt.error_frame()))
                 record._end(error=True)
                 await connection.send(b"0\r\n\r\n")
                 return False
+            if index == plan.fault_at and fault is not None:
+                record._apply_fault()
+                if fault.kind == "stall":
+                    await _stall(connection, fault.seconds)
+                    start += fault.seconds
+                elif fault.kind == "reset":
+                    record._end()
+                    await connection.reset()
+                    return False
+                elif fault.kind == "garbage":
+                    await connection.send(_chunk(GARBAGE))
+                    record._end()
+                    await connection.send(b"0\r\n\r\n")
+                    return False
+                else:  # truncate: a clean end of the body, with no terminal marker
+                    record._end()
+                    await connection.send(b"0\r\n\r\n")
+                    return keep_alive
             if index == plan.tokens:
                 break
             record._count(generated=1)
@@ -875,26 +1105,69 @@ class FakeProvider:
         plan: _Plan,
         keep_alive: bool,
     ) -> bool:
+        fault = plan.fault
+        if fault is not None and fault.kind == "status":
+            return await self._refuse(connection, record, fault.status, keep_alive)
         start = asyncio.get_running_loop().time() + plan.first_token_delay
         error = False
         for index in range(plan.tokens + 1):
             await _sleep_until(start + index * plan.seconds_per_token)
             error = index == plan.error_after
             if error:
+                if fault is not None and fault.kind == "error":
+                    record._apply_fault()
                 break
+            if index == plan.fault_at and fault is not None and fault.kind in ("reset", "stall"):
+                record._apply_fault()
+                if fault.kind == "reset":
+                    record._end()
+                    await connection.reset()
+                    return False
+                await _stall(connection, fault.seconds)
+                start += fault.seconds
             if index < plan.tokens:
                 record._count(generated=1)
         status, payload = fmt.error_response() if error else (200, fmt.complete(plan))
-        keep_alive = keep_alive and not error
+        body = _dumps(payload)
+        mangled = fault is not None and fault.kind in ("garbage", "truncate") and not error
+        if mangled:
+            assert fault is not None
+            record._apply_fault()
+            body = GARBAGE if fault.kind == "garbage" else body[: len(body) // 2]
+        keep_alive = keep_alive and not error and not (mangled and body is GARBAGE)
         extra = [("x-request-id", f"req_fake_{record.id}")]
         response = _full_response(
-            status, _dumps(payload), "application/json", keep_alive=keep_alive, extra=extra
+            status, body, "application/json", keep_alive=keep_alive, extra=extra
         )
         await connection.send(response[:-1])
         # Recorded before the last byte, so a client that read the whole response always finds
         # the request ended.
-        if not error:
+        if not error and not mangled:
             record._count(sent=plan.tokens)
-        record._end(finished=not error, error=error)
+        record._end(finished=not error and not mangled, error=error)
         await connection.send(response[-1:])
         return keep_alive
+
+    async def _refuse(
+        self, connection: _Connection, record: ProviderRequest, status: int, keep_alive: bool
+    ) -> bool:
+        """The ``status`` fault: an HTTP error with the provider's error body, no generation."""
+        payload = _error_json(record.api, status, _fault_message(record.api, status, self.model))
+        extra = [("x-request-id", f"req_fake_{record.id}")]
+        if status in (429, 503, 529):
+            extra.append(("retry-after", "1"))
+        response = _full_response(
+            status, _dumps(payload), "application/json", keep_alive=keep_alive, extra=extra
+        )
+        record._apply_fault()
+        record._end(error=True)
+        await connection.send(response)
+        return keep_alive
+
+
+async def _stall(connection: _Connection, seconds: float) -> None:
+    """Send nothing for ``seconds`` (forever when infinite), the socket open."""
+    if math.isinf(seconds):
+        await connection.gone.wait()
+        raise _ClientGone("the client closed a stalled stream")
+    await asyncio.sleep(seconds)
