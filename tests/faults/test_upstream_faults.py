@@ -81,3 +81,47 @@ async def test_a_stalled_upstream_is_cancelled_when_the_client_gives_up() -> Non
     assert info is not None
     assert info.status == "cancelled"
     assert upstream.connection_closed_early
+
+
+async def test_clients_that_send_their_headers_slowly_hold_nothing_up() -> None:
+    """Two clients trickle their request head a few bytes at a time, a third gives up half
+    way; plain requests go on meanwhile. Each request that reached the app gets one record;
+    the abandoned one never reached it and costs nothing."""
+    records: list[UsageRecord] = []
+    with FakeProvider(tokens=20, tokens_per_second=400) as provider:
+        app, _ = make_gateway(provider.url, backend=MemoryBackend(), sinks=[records.append])
+        with run_server(app) as srv:
+            head = (
+                f"POST /in-generator HTTP/1.1\r\nhost: {srv.host}\r\n"
+                "content-length: 0\r\nconnection: close\r\n\r\n"
+            ).encode()
+
+            async def trickle(give_up: bool) -> bytes:
+                reader, writer = await asyncio.open_connection(srv.host, srv.port)
+                try:
+                    for start in range(0, len(head), 4):
+                        if give_up and start >= len(head) // 2:
+                            return b""
+                        writer.write(head[start : start + 4])
+                        await writer.drain()
+                        await asyncio.sleep(0.03)
+                    async with asyncio.timeout(10):
+                        return await reader.read()
+                finally:
+                    writer.close()
+
+            slow = asyncio.gather(trickle(False), trickle(False), trickle(True))
+            plain = [
+                await request(srv.url + "/in-generator", method="POST", timeout=10)
+                for _ in range(3)
+            ]
+            answers = await slow
+            async with asyncio.timeout(10):
+                while len(records) < 5:
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+    assert all(result.status == 200 for result in plain)
+    assert all(b"data: [DONE]" in answer for answer in answers[:2])
+    assert answers[2] == b""
+    assert len(records) == 5
+    assert {record.outcome for record in records} == {"complete"}
