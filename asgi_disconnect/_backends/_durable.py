@@ -479,6 +479,10 @@ class DurableBackend:
         if not self._opened:
             await self.open()
 
+    def produces(self, generation_id: str) -> bool:
+        """Whether this process produces the generation: its live log is ahead of the store."""
+        return generation_id in self._live
+
     async def get(self, generation_id: str) -> GenerationInfo | None:
         tracked = self._live.get(generation_id)
         if tracked is not None:

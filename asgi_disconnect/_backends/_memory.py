@@ -309,6 +309,10 @@ class MemoryBackend:
             return None
         return generation
 
+    def produces(self, generation_id: str) -> bool:
+        """Whether this process produces the generation: every one kept here is."""
+        return generation_id in self._generations
+
     async def get(self, generation_id: str) -> GenerationInfo | None:
         generation = self._live(generation_id)
         return None if generation is None else generation.info()

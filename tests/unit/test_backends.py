@@ -331,6 +331,35 @@ async def test_resume_past_the_durable_size_waits_for_the_flush(sqlite_url: str)
         await reader.aclose()
 
 
+async def test_resume_far_past_the_durable_size_is_416_at_once(sqlite_url: str) -> None:
+    writer = durable(sqlite_url)
+    reader = durable(sqlite_url, poll_interval=0.02)
+    await writer.open()
+    await reader.open()
+    try:
+        generation = Generation(GID, principal="")
+        writer.register(generation)
+        generation.append(b"persisted;")
+        await settle(writer)
+        mw = DisconnectMiddleware(sse_app(Probe()), backend=reader)
+        # No owner is 1 GiB ahead of what it flushed 50 ms ago: no waiting for it.
+        far = generation.size + (1 << 30)
+        with anyio.fail_after(1):
+            resumed = await drive(
+                mw,
+                path=f"/generations/{GID}/stream",
+                query_string=f"offset={far}".encode(),
+                timeout=1,
+            )
+        assert resumed.status == 416
+        assert resumed.header("content-type") == "application/problem+json"
+        assert resumed.header("content-range") == f"bytes */{generation.size}"
+        generation.finish(Status.COMPLETE)
+    finally:
+        await writer.aclose()
+        await reader.aclose()
+
+
 async def test_usage_records_are_stored(backend_url: str) -> None:
     from asgi_disconnect import UsageRecord
 
