@@ -8,7 +8,7 @@ import logging
 import secrets
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -168,6 +168,52 @@ class SQLStore(Protocol):
     async def changed(self, generation_id: str, timeout: float) -> None: ...
 
 
+@runtime_checkable
+class ChangeNotices(Protocol):
+    """A store whose one poller tells each live tail when its generation moved on (SQLite)."""
+
+    async def changed_from(
+        self, generation_id: str, seen: tuple[str, int] | None, timeout: float
+    ) -> None: ...
+
+
+# With change notices, a tail asks the store again unprompted only as a safety net.
+_NOTICE_TIMEOUT = 1.0
+
+
+class _Tail:
+    """A generation produced elsewhere, followed once for every reader in this process.
+
+    One task looks at the store when it changed and reads what it gained; the latest piece
+    read stays here, so readers that kept up take it without a query. A reader behind the
+    piece reads the store on its own until it catches up.
+    """
+
+    __slots__ = ("end", "error", "final", "gone", "piece", "readers", "ready", "start", "waiters")
+
+    def __init__(self) -> None:
+        self.start = 0  # the latest piece spans [start, end)
+        self.end = 0
+        self.piece = b""
+        self.ready = False  # the first look at the store is done
+        self.final = False  # it ended and every byte of it was read
+        self.gone = False  # unknown or expired
+        self.error: BaseException | None = None
+        self.readers = 0
+        self.waiters: list[asyncio.Future[None]] = []
+
+    def changed(self) -> asyncio.Future[None]:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        return waiter
+
+    def wake(self) -> None:
+        waiters, self.waiters = self.waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
 class _Tracked:
     """A live generation and how much of it is already durable."""
 
@@ -228,6 +274,8 @@ class DurableBackend:
         self._flush_lock: asyncio.Lock | None = None
         self._failures = 0
         self._usage: list[UsageRow] = []
+        self._tails: dict[str, tuple[_Tail, asyncio.Task[None]]] = {}
+        self._notices = store if isinstance(store, ChangeNotices) else None
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -276,6 +324,7 @@ class DurableBackend:
         if worker is not None:
             worker.cancel()
             await asyncio.gather(worker, return_exceptions=True)
+        await self._stop_tails()
         try:
             while await self.flush():
                 pass
@@ -507,19 +556,96 @@ class DurableBackend:
                 yield data
             return
         await self._ensure_open()
+        entry = self._tails.get(generation_id)
+        if entry is None or entry[0].error is not None:
+            tail = _Tail()
+            task = asyncio.ensure_future(self._poll_tail(generation_id, tail))
+            entry = self._tails[generation_id] = (tail, task)
+        tail, task = entry
+        tail.readers += 1
+        try:
+            while True:
+                if tail.error is not None:
+                    raise BackendUnavailable(
+                        f"following {generation_id} in {self.url} failed: {tail.error}"
+                    ) from tail.error
+                if not tail.ready:
+                    data = b""
+                elif tail.start <= offset < tail.end:
+                    data = tail.piece[offset - tail.start :]
+                elif offset < tail.start:
+                    # Behind the shared piece: catch up on its own.
+                    data = await self.store.read(generation_id, offset, 1 << 20)
+                    if not data:
+                        return  # its rows are gone: expired and reaped
+                else:
+                    data = b""
+                if data:
+                    offset += len(data)
+                    yield data
+                    continue
+                if tail.gone or (tail.final and offset >= tail.end):
+                    return
+                await tail.changed()
+        finally:
+            tail.readers -= 1
+            if not tail.readers and self._tails.get(generation_id) is entry:
+                del self._tails[generation_id]
+                task.cancel()
+
+    async def _poll_tail(self, generation_id: str, tail: _Tail) -> None:
+        """Look at the store for ``tail`` each time it changed; read what it gained, once."""
         store = self.store
-        while True:
-            found = await store.info(generation_id)
-            if found is None:
-                return
-            data = await store.read(generation_id, offset, 1 << 20)
-            if data:
-                offset += len(data)
-                yield data
-                continue
-            if found[0].status is not Status.RUNNING:
-                return
-            await store.changed(generation_id, store.poll_interval)
+        try:
+            while True:
+                found = await store.info(generation_id)
+                if found is None:
+                    tail.gone = True
+                    return
+                info = found[0]
+                if not tail.ready:
+                    # Readers read what is stored so far themselves, from their own offsets.
+                    tail.start = tail.end = info.size
+                    tail.ready = True
+                    tail.wake()
+                while tail.end < info.size:
+                    data = await store.read(generation_id, tail.end, 1 << 20)
+                    if not data:
+                        break  # expired meanwhile, or rows short of the size
+                    tail.start, tail.piece = tail.end, data
+                    tail.end += len(data)
+                    tail.wake()
+                # The final status and the last rows are written in one transaction.
+                if info.status is not Status.RUNNING:
+                    if tail.end < info.size:
+                        logger.warning(
+                            "generation %s is stored as %d bytes but its rows end at %d",
+                            generation_id,
+                            info.size,
+                            tail.end,
+                        )
+                    tail.final = True
+                    return
+                if self._notices is not None:
+                    seen = (info.status.value, info.size)
+                    await self._notices.changed_from(generation_id, seen, _NOTICE_TIMEOUT)
+                else:
+                    await store.changed(generation_id, store.poll_interval)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            tail.error = exc
+        finally:
+            tail.wake()
+
+    async def _stop_tails(self) -> None:
+        tails, self._tails = self._tails, {}
+        for tail, task in tails.values():
+            task.cancel()
+            tail.error = BackendUnavailable(f"{self.url} was closed")
+        await asyncio.gather(*(task for _, task in tails.values()), return_exceptions=True)
+        for tail, _ in tails.values():
+            tail.wake()
 
     def pending_bytes(self) -> int:
         """Bytes produced in this process and not yet durable."""
