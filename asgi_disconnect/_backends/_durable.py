@@ -217,7 +217,7 @@ class _Tail:
 class _Tracked:
     """A live generation and how much of it is already durable."""
 
-    __slots__ = ("chunks", "created", "generation", "meta", "size")
+    __slots__ = ("chunks", "created", "generation", "meta", "size", "unsure")
 
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
@@ -225,6 +225,10 @@ class _Tracked:
         self.chunks = 0
         self.size = 0
         self.meta: tuple[str | None, bool] = (generation.policy, generation.detached)
+        # Chunk rows (start, data, sizes) of a flush that failed or was cancelled, which
+        # may have committed all the same: sent again exactly as they were, so that ``on
+        # conflict do nothing`` keeps them once and a longer row never replaces them.
+        self.unsure: list[tuple[int, bytes, bytes]] = []
 
 
 class DurableBackend:
@@ -444,9 +448,19 @@ class DurableBackend:
                     await self.store.flush(batch)
                 except BaseException:
                     self._usage[:0] = usage
+                    self._unsure(batch)
                     raise
                 self._committed(batch, done)
             return more
+
+    def _unsure(self, batch: FlushBatch) -> None:
+        for generation_id, start, data, sizes in batch.chunks:
+            tracked = self._live.get(generation_id)
+            if tracked is None:
+                continue
+            unsure = tracked.unsure
+            if not unsure or start >= unsure[-1][0] + len(unsure[-1][1]):
+                unsure.append((start, data, sizes))
 
     def _collect(self) -> tuple[FlushBatch, bool, list[_Tracked]]:
         batch = FlushBatch(owner=self.owner, lease=self.lease, ttl=self.ttl)
@@ -471,7 +485,13 @@ class DurableBackend:
                 )
             count = len(generation.chunks)
             start = tracked.size
-            pending = generation.chunks_from(tracked.chunks)[: count - tracked.chunks]
+            taken = tracked.chunks
+            for row in tracked.unsure:
+                batch.chunks.append((generation.id, *row))
+                budget -= len(row[1])
+                start = row[0] + len(row[1])
+                taken += len(row[2]) // 4
+            pending = generation.chunks_from(taken)[: count - taken]
             if pending and budget > 0:
                 taken_chunks = pending
                 size = 0
@@ -504,7 +524,8 @@ class DurableBackend:
     def _committed(self, batch: FlushBatch, done: list[_Tracked]) -> None:
         ends: dict[str, tuple[int, int]] = {}
         for generation_id, start, data, sizes in batch.chunks:
-            ends[generation_id] = (len(sizes) // 4, start + len(data))
+            count, _ = ends.get(generation_id, (0, 0))
+            ends[generation_id] = (count + len(sizes) // 4, start + len(data))
         for row in batch.created:
             tracked = self._live.get(row[0])
             if tracked is not None:
@@ -515,6 +536,7 @@ class DurableBackend:
             if tracked is not None:
                 tracked.chunks += count
                 tracked.size = end
+                tracked.unsure = []
         for generation_id, policy, detached in batch.changed:
             tracked = self._live.get(generation_id)
             if tracked is not None:
