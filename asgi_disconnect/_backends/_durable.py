@@ -426,7 +426,9 @@ class DurableBackend:
                 raise
             except Exception as exc:
                 self._failures += 1
-                if self._failures == 1 or self._failures % 100 == 0:
+                if self.failure is not None:
+                    pass  # said once, loudly, where it was found
+                elif self._failures == 1 or self._failures % 100 == 0:
                     logger.warning(
                         "writing to %s failed (%s); output is kept in memory and retried",
                         self.url,
@@ -668,6 +670,18 @@ class DurableBackend:
         await asyncio.gather(*(task for _, task in tails.values()), return_exceptions=True)
         for tail, _ in tails.values():
             tail.wake()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the store refuses every write from now on (its file was deleted), or None."""
+        failure: str | None = getattr(self.store, "failure", None)
+        return failure
+
+    @property
+    def healthy(self) -> bool:
+        """False once the store refuses writes for good: generations stay in this process's
+        memory, and claims and other writes raise :class:`BackendUnavailable`."""
+        return self.failure is None
 
     def pending_bytes(self) -> int:
         """Bytes produced in this process and not yet durable."""

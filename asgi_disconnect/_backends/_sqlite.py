@@ -184,6 +184,9 @@ class SQLiteStore:
         self.poll_interval = poll_interval
         self._executor: ThreadPoolExecutor | None = None
         self._db: sqlite3.Connection | None = None
+        # The file the connection opened, (st_dev, st_ino), to notice it deleted or replaced.
+        self._file: tuple[int, int] | None = None
+        self.failure: str | None = None
         # Tails waiting for a generation to move on from what they saw.
         self._waiters: dict[str, list[tuple[tuple[str, int] | None, asyncio.Future[None]]]] = {}
         self._watcher: asyncio.Task[None] | None = None
@@ -229,12 +232,16 @@ class SQLiteStore:
                     f"supports ({SCHEMA_VERSION}); upgrade asgi-disconnect"
                 )
             db.execute("commit")
+            if self.path not in ("", ":memory:"):
+                opened = os.stat(self.path)
+                self._file = (opened.st_dev, opened.st_ino)
         except BaseException:
             if db.in_transaction:
                 db.execute("rollback")
             db.close()
             raise
         self._db = db
+        self.failure = None
 
     async def aclose(self) -> None:
         watcher, self._watcher = self._watcher, None
@@ -252,9 +259,35 @@ class SQLiteStore:
             self._db.close()
             self._db = None
 
+    def _check_file(self) -> None:
+        """Whether the file at ``path`` is still the one the connection has open.
+
+        A file deleted (or replaced) under an open connection takes every later commit with
+        it when the connection closes, silently: from then on this store refuses writes.
+        """
+        if self._file is None or self.failure is not None:
+            return
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            what = "was deleted"
+        else:
+            if (now.st_dev, now.st_ino) == self._file:
+                return
+            what = "was replaced by another file"
+        self.failure = (
+            f"{os.path.abspath(self.path)} {what} while this process had it open; what it "
+            "would write now would be lost with the old file. Output produced from now on is "
+            "kept in this process's memory only; restart the process to open the database again"
+        )
+        logger.error("%s: %s", self.url, self.failure)
+
     def _write(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         db = self._db
         assert db is not None
+        self._check_file()
+        if self.failure is not None:
+            raise BackendUnavailable(self.failure)
         db.execute("begin immediate")
         try:
             result = fn(db)
