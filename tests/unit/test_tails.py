@@ -175,3 +175,55 @@ async def test_a_tail_ends_with_a_generation_that_expired(
         await tail.task
     assert tail.body == b"data: 0\n\n"
     generation.finish(Status.COMPLETE)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def durable_url(request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+async def test_readers_of_one_generation_query_the_store_once_per_change(
+    durable_url: str,
+) -> None:
+    writer = durable(durable_url, flush_interval=5.0, lease=30.0)
+    reader = durable(durable_url, poll_interval=POLL)
+    await writer.open()
+    await reader.open()
+    calls = {"info": 0, "read": 0}
+    store = reader.store
+    info, read = store.info, store.read
+
+    async def counted_info(generation_id: str):  # type: ignore[no-untyped-def]
+        calls["info"] += 1
+        return await info(generation_id)
+
+    async def counted_read(generation_id: str, offset: int, limit: int) -> bytes:
+        calls["read"] += 1
+        return await read(generation_id, offset, limit)
+
+    store.info = counted_info  # type: ignore[method-assign]
+    store.read = counted_read  # type: ignore[method-assign]
+    try:
+        generation = Generation("gen_" + "Q" * 24, principal="")
+        writer.register(generation)
+        generation.append(b"data: 0\n\n")
+        await settle(writer)
+        tails = [Tail(reader, generation.id) for _ in range(100)]
+        changes = 10
+        async with asyncio.timeout(20):
+            await asyncio.gather(*(tail.reach(generation.size) for tail in tails))
+            for n in range(1, changes + 1):
+                generation.append(b"data: %d\n\n" % n)
+                await settle(writer)
+                await asyncio.gather(*(tail.reach(generation.size) for tail in tails))
+            generation.finish(Status.COMPLETE)
+            await settle(writer)
+            await asyncio.gather(*(tail.task for tail in tails))
+        assert all(tail.body == generation.read(0) for tail in tails)
+        # Each reader's first read is its own; after that, a few calls per change, shared.
+        # (Per reader, it was one info and one read each poll: thousands here.)
+        assert calls["read"] <= len(tails) + 2 * (changes + 2)
+        assert calls["info"] <= 4 * (changes + 2)
+    finally:
+        await reader.aclose()
+        await writer.aclose()
