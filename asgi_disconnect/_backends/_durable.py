@@ -173,8 +173,9 @@ class ChangeNotices(Protocol):
     """A store whose one poller tells each live tail when its generation moved on (SQLite)."""
 
     async def changed_from(
-        self, generation_id: str, seen: tuple[str, int] | None, timeout: float
-    ) -> None: ...
+        self, generation_id: str, seen: tuple[str, int], timeout: float
+    ) -> tuple[str, int] | None:
+        """Wait until (status, size) moved on from ``seen``; what it is now, or None."""
 
 
 # With change notices, a tail asks the store again unprompted only as a safety net.
@@ -620,19 +621,23 @@ class DurableBackend:
     async def _poll_tail(self, generation_id: str, tail: _Tail) -> None:
         """Look at the store for ``tail`` each time it changed; read what it gained, once."""
         store = self.store
+        # (status, size) as a change notice gave it; None: ask the store.
+        state: tuple[str, int] | None = None
         try:
             while True:
-                found = await store.info(generation_id)
-                if found is None:
-                    tail.gone = True
-                    return
-                info = found[0]
+                if state is None:
+                    found = await store.info(generation_id)
+                    if found is None:
+                        tail.gone = True
+                        return
+                    state = (found[0].status.value, found[0].size)
+                status, size = state
                 if not tail.ready:
                     # Readers read what is stored so far themselves, from their own offsets.
-                    tail.start = tail.end = info.size
+                    tail.start = tail.end = size
                     tail.ready = True
                     tail.wake()
-                while tail.end < info.size:
+                while tail.end < size:
                     data = await store.read(generation_id, tail.end, 1 << 20)
                     if not data:
                         break  # expired meanwhile, or rows short of the size
@@ -640,21 +645,21 @@ class DurableBackend:
                     tail.end += len(data)
                     tail.wake()
                 # The final status and the last rows are written in one transaction.
-                if info.status is not Status.RUNNING:
-                    if tail.end < info.size:
+                if status != Status.RUNNING:
+                    if tail.end < size:
                         logger.warning(
                             "generation %s is stored as %d bytes but its rows end at %d",
                             generation_id,
-                            info.size,
+                            size,
                             tail.end,
                         )
                     tail.final = True
                     return
                 if self._notices is not None:
-                    seen = (info.status.value, info.size)
-                    await self._notices.changed_from(generation_id, seen, _NOTICE_TIMEOUT)
+                    state = await self._notices.changed_from(generation_id, state, _NOTICE_TIMEOUT)
                 else:
                     await store.changed(generation_id, store.poll_interval)
+                    state = None
         except asyncio.CancelledError:
             raise
         except Exception as exc:

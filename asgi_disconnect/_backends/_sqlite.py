@@ -188,7 +188,9 @@ class SQLiteStore:
         self._file: tuple[int, int] | None = None
         self.failure: str | None = None
         # Tails waiting for a generation to move on from what they saw.
-        self._waiters: dict[str, list[tuple[tuple[str, int] | None, asyncio.Future[None]]]] = {}
+        self._waiters: dict[
+            str, list[tuple[tuple[str, int], asyncio.Future[tuple[str, int] | None]]]
+        ] = {}
         self._watcher: asyncio.Task[None] | None = None
 
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -451,11 +453,12 @@ class SQLiteStore:
         await asyncio.sleep(timeout)
 
     async def changed_from(
-        self, generation_id: str, seen: tuple[str, int] | None, timeout: float
-    ) -> None:
-        """Wait until the generation's (status, size) differs from ``seen`` (None: it is
-        gone), as the store's one poller sees it, or ``timeout``."""
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self, generation_id: str, seen: tuple[str, int], timeout: float
+    ) -> tuple[str, int] | None:
+        """Wait until the generation's (status, size) differs from ``seen``, as the
+        store's one poller sees it; return what it is now. None: gone, or not known (the
+        ``timeout`` passed, or the poller failed), so ask :meth:`info`."""
+        waiter: asyncio.Future[tuple[str, int] | None] = asyncio.get_running_loop().create_future()
         waiting = self._waiters.setdefault(generation_id, [])
         entry = (seen, waiter)
         waiting.append(entry)
@@ -463,9 +466,9 @@ class SQLiteStore:
             self._watcher = asyncio.ensure_future(self._watch())
         try:
             async with asyncio.timeout(timeout):
-                await waiter
+                return await waiter
         except TimeoutError:
-            pass
+            return None
         finally:
             waiting = self._waiters.get(generation_id, [])
             if entry in waiting:
@@ -491,7 +494,7 @@ class SQLiteStore:
                 waiting = self._waiters.get(generation_id, [])
                 for seen, waiter in list(waiting):
                     if (states is None or seen != state) and not waiter.done():
-                        waiter.set_result(None)
+                        waiter.set_result(state)
 
     def _states(self, ids: list[str]) -> dict[str, tuple[str, int]]:
         assert self._db is not None
