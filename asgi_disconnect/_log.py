@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ._records import GenerationInfo, Status
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
 __all__ = ["Generation", "now"]
 
@@ -45,6 +45,8 @@ class Generation:
     size = 0
     _ends: list[int] | None = None  # chunk end offsets, built when a reader needs them
     waiters: list[asyncio.Future[None]] | None = None
+    # Called once when the generation ends: the store that keeps it accounts for it then.
+    on_finish: Callable[[Generation], None] | None = None
 
     def __init__(
         self,
@@ -95,6 +97,8 @@ class Generation:
         self.finished_at = time.time_ns() // 1000 / 1e6  # now(), inlined
         if self.waiters:
             self.wake()
+        if self.on_finish is not None:
+            self.on_finish(self)
         return True
 
     def wake(self) -> None:

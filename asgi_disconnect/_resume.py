@@ -22,7 +22,14 @@ if TYPE_CHECKING:
 
 __all__ = ["ResumeEndpoints", "error_frame", "is_event_stream"]
 
+# How long an offset past what another replica wrote may wait for the owner's next flush.
 _OFFSET_WAIT = 5.0
+# Further past than this, it cannot be bytes an owner has yet to flush (it flushes every
+# ``flush_interval`` and again at once past ``flush_max_bytes``): out of range at once.
+_MAX_AHEAD = 8 << 20
+# Any offset with more digits is past anything produced; int() is never asked to parse it.
+_DIGITS = 18
+_BEYOND = 10**_DIGITS
 _ID = re.compile(r"gen_[A-Za-z0-9_-]{24}")
 _encode = msgspec.json.Encoder().encode
 _ENDINGS = {
@@ -107,6 +114,11 @@ class ResumeEndpoints:
             return
         await self._stream(scope, receive, send, info)
 
+    def _produced_here(self, generation_id: str) -> bool:
+        """Whether this process produces the generation, so its live size is the truth."""
+        produces = getattr(self.backend, "produces", None)
+        return produces is not None and bool(produces(generation_id))
+
     async def _wait_for_size(self, info: GenerationInfo, offset: int) -> GenerationInfo:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _OFFSET_WAIT
@@ -131,16 +143,22 @@ class ResumeEndpoints:
                 "offset must be a non-negative integer number of bytes.",
             )
             return
-        if offset > info.size and info.status is Status.RUNNING:
-            # The client may have read bytes that are not durable yet, on another replica.
+        if (
+            offset > info.size
+            and info.status is Status.RUNNING
+            and offset - info.size <= _MAX_AHEAD
+            and not self._produced_here(info.id)
+        ):
+            # The client may have read bytes from the owner that are not durable yet.
             info = await self._wait_for_size(info, offset)
         if offset > info.size:
+            shown = "offset" if offset >= _BEYOND else f"offset {offset}"
             await send_problem(
                 send,
                 416,
                 "offset-out-of-range",
                 "Offset Out Of Range",
-                f"offset {offset} is past the {info.size} bytes produced so far.",
+                f"{shown} is past the {info.size} bytes produced so far.",
                 headers=[(b"content-range", f"bytes */{info.size}".encode())],
             )
             return
@@ -187,6 +205,7 @@ class ResumeEndpoints:
 
 
 def _parse_offset(query_string: bytes) -> int | None:
+    """The offset asked for: None if malformed; a number too big to be a size is _BEYOND."""
     try:
         pairs = parse_qsl(
             query_string.decode("latin-1"), keep_blank_values=True, strict_parsing=False
@@ -199,6 +218,7 @@ def _parse_offset(query_string: bytes) -> int | None:
     if len(values) > 1:
         return None
     value = values[0]
-    if not value.isascii() or not value.isdigit() or len(value) > 18:
+    if not value.isascii() or not value.isdigit():
         return None
-    return int(value)
+    digits = value.lstrip("0")
+    return _BEYOND if len(digits) > _DIGITS else int(digits or "0")

@@ -27,7 +27,8 @@ def connect(
 ) -> Backend:
     """The backend for ``url``.
 
-    - ``memory://``: this process only, not durable (``ttl``, ``max_generations``);
+    - ``memory://``: this process only, not durable, bounded (``max_bytes``,
+      ``max_generations``, ``max_claims``, ``ttl``);
     - ``sqlite:///relative.db`` or ``sqlite:////absolute.db``: the embedded default, safe
       for several worker processes on one machine;
     - ``postgresql://user:password@host/db`` (``?schema=name`` or ``schema=``), or

@@ -8,7 +8,7 @@ import logging
 import secrets
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -169,10 +169,57 @@ class SQLStore(Protocol):
     async def changed(self, generation_id: str, timeout: float) -> None: ...
 
 
+@runtime_checkable
+class ChangeNotices(Protocol):
+    """A store whose one poller tells each live tail when its generation moved on (SQLite)."""
+
+    async def changed_from(
+        self, generation_id: str, seen: tuple[str, int], timeout: float
+    ) -> tuple[str, int] | None:
+        """Wait until (status, size) moved on from ``seen``; what it is now, or None."""
+
+
+# With change notices, a tail asks the store again unprompted only as a safety net.
+_NOTICE_TIMEOUT = 1.0
+
+
+class _Tail:
+    """A generation produced elsewhere, followed once for every reader in this process.
+
+    One task looks at the store when it changed and reads what it gained; the latest piece
+    read stays here, so readers that kept up take it without a query. A reader behind the
+    piece reads the store on its own until it catches up.
+    """
+
+    __slots__ = ("end", "error", "final", "gone", "piece", "readers", "ready", "start", "waiters")
+
+    def __init__(self) -> None:
+        self.start = 0  # the latest piece spans [start, end)
+        self.end = 0
+        self.piece = b""
+        self.ready = False  # the first look at the store is done
+        self.final = False  # it ended and every byte of it was read
+        self.gone = False  # unknown or expired
+        self.error: BaseException | None = None
+        self.readers = 0
+        self.waiters: list[asyncio.Future[None]] = []
+
+    def changed(self) -> asyncio.Future[None]:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        return waiter
+
+    def wake(self) -> None:
+        waiters, self.waiters = self.waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
 class _Tracked:
     """A live generation and how much of it is already durable."""
 
-    __slots__ = ("chunks", "created", "generation", "meta", "size")
+    __slots__ = ("chunks", "created", "generation", "meta", "size", "unsure")
 
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
@@ -180,6 +227,10 @@ class _Tracked:
         self.chunks = 0
         self.size = 0
         self.meta: tuple[str | None, bool] = (generation.policy, generation.detached)
+        # Chunk rows (start, data, sizes) of a flush that failed or was cancelled, which
+        # may have committed all the same: sent again exactly as they were, so that ``on
+        # conflict do nothing`` keeps them once and a longer row never replaces them.
+        self.unsure: list[tuple[int, bytes, bytes]] = []
 
 
 class DurableBackend:
@@ -229,6 +280,8 @@ class DurableBackend:
         self._flush_lock: asyncio.Lock | None = None
         self._failures = 0
         self._usage: list[UsageRow] = []
+        self._tails: dict[str, tuple[_Tail, asyncio.Task[None]]] = {}
+        self._notices = store if isinstance(store, ChangeNotices) else None
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -277,6 +330,7 @@ class DurableBackend:
         if worker is not None:
             worker.cancel()
             await asyncio.gather(worker, return_exceptions=True)
+        await self._stop_tails()
         try:
             while await self.flush():
                 pass
@@ -380,7 +434,9 @@ class DurableBackend:
                 raise
             except Exception as exc:
                 self._failures += 1
-                if self._failures == 1 or self._failures % 100 == 0:
+                if self.failure is not None:
+                    pass  # said once, loudly, where it was found
+                elif self._failures == 1 or self._failures % 100 == 0:
                     logger.warning(
                         "writing to %s failed (%s); output is kept in memory and retried",
                         self.url,
@@ -402,9 +458,19 @@ class DurableBackend:
                     await self.store.flush(batch)
                 except BaseException:
                     self._usage[:0] = usage
+                    self._unsure(batch)
                     raise
                 self._committed(batch, done)
             return more
+
+    def _unsure(self, batch: FlushBatch) -> None:
+        for generation_id, start, data, sizes in batch.chunks:
+            tracked = self._live.get(generation_id)
+            if tracked is None:
+                continue
+            unsure = tracked.unsure
+            if not unsure or start >= unsure[-1][0] + len(unsure[-1][1]):
+                unsure.append((start, data, sizes))
 
     def _collect(self) -> tuple[FlushBatch, bool, list[_Tracked]]:
         batch = FlushBatch(owner=self.owner, lease=self.lease, ttl=self.ttl)
@@ -429,7 +495,13 @@ class DurableBackend:
                 )
             count = len(generation.chunks)
             start = tracked.size
-            pending = generation.chunks_from(tracked.chunks)[: count - tracked.chunks]
+            taken = tracked.chunks
+            for row in tracked.unsure:
+                batch.chunks.append((generation.id, *row))
+                budget -= len(row[1])
+                start = row[0] + len(row[1])
+                taken += len(row[2]) // 4
+            pending = generation.chunks_from(taken)[: count - taken]
             if pending and budget > 0:
                 taken_chunks = pending
                 size = 0
@@ -462,7 +534,8 @@ class DurableBackend:
     def _committed(self, batch: FlushBatch, done: list[_Tracked]) -> None:
         ends: dict[str, tuple[int, int]] = {}
         for generation_id, start, data, sizes in batch.chunks:
-            ends[generation_id] = (len(sizes) // 4, start + len(data))
+            count, _ = ends.get(generation_id, (0, 0))
+            ends[generation_id] = (count + len(sizes) // 4, start + len(data))
         for row in batch.created:
             tracked = self._live.get(row[0])
             if tracked is not None:
@@ -473,6 +546,7 @@ class DurableBackend:
             if tracked is not None:
                 tracked.chunks += count
                 tracked.size = end
+                tracked.unsure = []
         for generation_id, policy, detached in batch.changed:
             tracked = self._live.get(generation_id)
             if tracked is not None:
@@ -485,6 +559,10 @@ class DurableBackend:
     async def _ensure_open(self) -> None:
         if not self._opened:
             await self.open()
+
+    def produces(self, generation_id: str) -> bool:
+        """Whether this process produces the generation: its live log is ahead of the store."""
+        return generation_id in self._live
 
     async def get(self, generation_id: str) -> GenerationInfo | None:
         tracked = self._live.get(generation_id)
@@ -510,19 +588,112 @@ class DurableBackend:
                 yield data
             return
         await self._ensure_open()
+        entry = self._tails.get(generation_id)
+        if entry is None or entry[0].error is not None:
+            tail = _Tail()
+            task = asyncio.ensure_future(self._poll_tail(generation_id, tail))
+            entry = self._tails[generation_id] = (tail, task)
+        tail, task = entry
+        tail.readers += 1
+        try:
+            while True:
+                if tail.error is not None:
+                    raise BackendUnavailable(
+                        f"following {generation_id} in {self.url} failed: {tail.error}"
+                    ) from tail.error
+                if not tail.ready:
+                    data = b""
+                elif tail.start <= offset < tail.end:
+                    data = tail.piece[offset - tail.start :]
+                elif offset < tail.start:
+                    # Behind the shared piece: catch up on its own.
+                    data = await self.store.read(generation_id, offset, 1 << 20)
+                    if not data:
+                        return  # its rows are gone: expired and reaped
+                else:
+                    data = b""
+                if data:
+                    offset += len(data)
+                    yield data
+                    continue
+                if tail.gone or (tail.final and offset >= tail.end):
+                    return
+                await tail.changed()
+        finally:
+            tail.readers -= 1
+            if not tail.readers and self._tails.get(generation_id) is entry:
+                del self._tails[generation_id]
+                task.cancel()
+
+    async def _poll_tail(self, generation_id: str, tail: _Tail) -> None:
+        """Look at the store for ``tail`` each time it changed; read what it gained, once."""
         store = self.store
-        while True:
-            found = await store.info(generation_id)
-            if found is None:
-                return
-            data = await store.read(generation_id, offset, 1 << 20)
-            if data:
-                offset += len(data)
-                yield data
-                continue
-            if found[0].status is not Status.RUNNING:
-                return
-            await store.changed(generation_id, store.poll_interval)
+        # (status, size) as a change notice gave it; None: ask the store.
+        state: tuple[str, int] | None = None
+        try:
+            while True:
+                if state is None:
+                    found = await store.info(generation_id)
+                    if found is None:
+                        tail.gone = True
+                        return
+                    state = (found[0].status.value, found[0].size)
+                status, size = state
+                if not tail.ready:
+                    # Readers read what is stored so far themselves, from their own offsets.
+                    tail.start = tail.end = size
+                    tail.ready = True
+                    tail.wake()
+                while tail.end < size:
+                    data = await store.read(generation_id, tail.end, 1 << 20)
+                    if not data:
+                        break  # expired meanwhile, or rows short of the size
+                    tail.start, tail.piece = tail.end, data
+                    tail.end += len(data)
+                    tail.wake()
+                # The final status and the last rows are written in one transaction.
+                if status != Status.RUNNING:
+                    if tail.end < size:
+                        logger.warning(
+                            "generation %s is stored as %d bytes but its rows end at %d",
+                            generation_id,
+                            size,
+                            tail.end,
+                        )
+                    tail.final = True
+                    return
+                if self._notices is not None:
+                    state = await self._notices.changed_from(generation_id, state, _NOTICE_TIMEOUT)
+                else:
+                    await store.changed(generation_id, store.poll_interval)
+                    state = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            tail.error = exc
+        finally:
+            tail.wake()
+
+    async def _stop_tails(self) -> None:
+        tails, self._tails = self._tails, {}
+        for tail, task in tails.values():
+            task.cancel()
+            tail.error = BackendUnavailable(f"{self.url} was closed")
+        await asyncio.gather(*(task for _, task in tails.values()), return_exceptions=True)
+        for tail, _ in tails.values():
+            tail.wake()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the store refuses every write from now on (its file was deleted), or None."""
+        failure: str | None = getattr(self.store, "failure", None)
+        return failure
+
+    @property
+    def healthy(self) -> bool:
+        """False once the store refuses writes for good: generations stay in this process's
+        memory, and claims and other writes raise :class:`BackendUnavailable`."""
+        return self.failure is None
 
     def pending_bytes(self) -> int:
         """Bytes produced in this process and not yet durable."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 from .._records import Claim, ClaimState, StoredResponse
@@ -16,9 +17,29 @@ if TYPE_CHECKING:
 
 __all__ = ["MemoryBackend"]
 
+logger = logging.getLogger("asgi_disconnect")
+
+# What a kept chunk costs beyond its bytes: the bytes object's header, its slot in the
+# list and its offset, so that many small chunks are not undercounted.
+_CHUNK_COST = 64
+# How often claims are scanned for expiry beyond the oldest completed ones.
+_CLAIM_SWEEP = 60.0
+
+
+def _cost(size: int, chunks: int) -> int:
+    return size + _CHUNK_COST * chunks
+
 
 class _MemoryClaim:
-    __slots__ = ("expires_at", "fingerprint", "generation_id", "lease_until", "owner", "response")
+    __slots__ = (
+        "completed_at",
+        "expires_at",
+        "fingerprint",
+        "generation_id",
+        "lease_until",
+        "owner",
+        "response",
+    )
 
     def __init__(self, fingerprint: bytes, owner: str, lease_until: float, expires_at: float):
         self.fingerprint = fingerprint
@@ -27,27 +48,75 @@ class _MemoryClaim:
         self.expires_at = expires_at
         self.response: StoredResponse | None = None
         self.generation_id: str | None = None
+        self.completed_at = 0.0  # Unix seconds, to order it among finished generations
+
+    def dead(self, now: float) -> bool:
+        """Past its expiry, and not running under a live lease."""
+        return self.expires_at < now and (self.response is not None or self.lease_until < now)
 
 
 class MemoryBackend:
-    """Keeps generations in this process until ``ttl`` seconds after they end.
+    """Keeps generations and claims in this process, within bounds.
 
-    At most ``max_generations`` are kept: past that, finished ones are evicted oldest
-    first. Running generations are never evicted.
+    What finished work keeps is bounded by ``max_bytes`` (default 64 MiB): the bodies of
+    finished generations and the responses stored by completed claims, each counted as its
+    bytes plus 64 per chunk (``kept_bytes``). Past it, the oldest finished work is evicted
+    first; a generation larger than ``max_bytes`` alone is not kept once it ends, and evicts
+    nothing (a warning says so, once). At most ``max_generations`` generations and
+    ``max_claims`` claims are kept, the oldest finished (completed) evicted first. Finished
+    generations expire ``ttl`` seconds after they end; claims at the ``ttl`` their
+    middleware gives them.
+
+    Running generations are never evicted and not counted: their log is what their clients
+    are reading. When running ones alone hold more than ``max_bytes``, the process holds
+    that much until they end; each then counts as finished work and evicts the oldest.
+    A reader already following an evicted generation reads it to the end. A running claim
+    is never evicted while its lease is live.
     """
 
     url = "memory://"
 
-    def __init__(self, *, ttl: float = 3600.0, max_generations: int = 10_000) -> None:
-        if ttl <= 0:
-            raise ValueError("ttl must be positive")
-        if max_generations <= 0:
-            raise ValueError("max_generations must be positive")
+    def __init__(
+        self,
+        *,
+        ttl: float = 3600.0,
+        max_generations: int = 10_000,
+        max_bytes: int = 64 << 20,
+        max_claims: int = 10_000,
+    ) -> None:
+        for name, value in (
+            ("ttl", ttl),
+            ("max_generations", max_generations),
+            ("max_bytes", max_bytes),
+            ("max_claims", max_claims),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive")
         self._ttl = ttl
         self._max = max_generations
-        self._generations: dict[str, Generation] = {}  # oldest first
+        self.max_bytes = max_bytes
+        self._max_claims = max_claims
+        self._generations: dict[str, Generation] = {}
         self.usage: deque[UsageRecord] = deque(maxlen=max_generations)
         self._claims: dict[tuple[str, str], _MemoryClaim] = {}
+        # Finished work, oldest first, and what each costs: generations, completed claims.
+        self._finished: OrderedDict[str, int] = OrderedDict()
+        self._completed: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._kept_bytes = 0
+        self._next_claim_sweep = 0.0
+        self._next_expiry = 0.0
+        self._warned_oversize = False
+        # Bound once: register() hands it to every generation.
+        self._on_finish = self._generation_finished
+
+    @property
+    def kept_bytes(self) -> int:
+        """What finished generations and completed claims keep now, by this backend's count."""
+        return self._kept_bytes
+
+    @property
+    def claim_count(self) -> int:
+        return len(self._claims)
 
     async def open(self) -> None:
         return None
@@ -61,6 +130,7 @@ class MemoryBackend:
         self, principal: str, key: str, fingerprint: bytes, *, owner: str, lease: float, ttl: float
     ) -> Claim:
         now = time.monotonic()
+        self._expire_claims(now)
         held = self._claims.get((principal, key))
         if held is not None and held.expires_at >= now:
             if held.fingerprint != fingerprint:
@@ -77,7 +147,11 @@ class MemoryBackend:
                     retry_after=held.lease_until - now,
                     generation_id=held.generation_id,
                 )
+        if held is not None:
+            self._drop_claim((principal, key))
         self._claims[(principal, key)] = _MemoryClaim(fingerprint, owner, now + lease, now + ttl)
+        if len(self._claims) > self._max_claims:
+            self._evict_claims(now)
         return Claim(state=ClaimState.ACQUIRED)
 
     async def renew_claims(self, owner: str, lease: float) -> None:
@@ -94,6 +168,12 @@ class MemoryBackend:
             return False
         held.response = response
         held.expires_at = time.monotonic() + ttl
+        held.completed_at = time.time()
+        cost = _cost(sum(map(len, response.chunks)), len(response.chunks))
+        self._completed[(principal, key)] = cost
+        self._kept_bytes += cost
+        if self._kept_bytes > self.max_bytes:
+            self._shrink()
         return True
 
     async def note_generation(
@@ -107,8 +187,33 @@ class MemoryBackend:
         held = self._claims.get((principal, key))
         if held is None or held.owner != owner or held.response is not None:
             return False
-        del self._claims[(principal, key)]
+        self._drop_claim((principal, key))
         return True
+
+    def _drop_claim(self, key: tuple[str, str]) -> None:
+        self._claims.pop(key, None)
+        self._kept_bytes -= self._completed.pop(key, 0)
+
+    def _expire_claims(self, now: float) -> None:
+        claims, completed = self._claims, self._completed
+        # Completed claims expire about in the order they completed: look at the oldest.
+        while completed:
+            key = next(iter(completed))
+            if not claims[key].dead(now):
+                break
+            self._drop_claim(key)
+        if now >= self._next_claim_sweep:
+            # Now and then, the rest: other ttls, and running claims nobody renews.
+            self._next_claim_sweep = now + _CLAIM_SWEEP
+            for key in [key for key, held in claims.items() if held.dead(now)]:
+                self._drop_claim(key)
+
+    def _evict_claims(self, now: float) -> None:
+        completed = self._completed
+        while len(self._claims) > self._max_claims and completed:
+            self._drop_claim(next(iter(completed)))
+
+    # -- usage ------------------------------------------------------------------------
 
     def record_usage(self, record: UsageRecord) -> None:
         """A usage sink: keeps the newest ``max_generations`` records in ``usage``."""
@@ -117,32 +222,82 @@ class MemoryBackend:
     async def usage_of(self, generation_id: str) -> list[UsageRecord]:
         return [record for record in self.usage if record.generation_id == generation_id]
 
+    # -- generations --------------------------------------------------------------------
+
     def __len__(self) -> int:
         return len(self._generations)
 
     def register(self, generation: Generation) -> None:
         generations = self._generations
         generations[generation.id] = generation
-        # Evict in batches of an eighth, so a full store costs O(1) per request.
-        if len(generations) > self._max + (self._max >> 3):
-            self._evict()
+        generation.on_finish = self._on_finish
+        if not generation.running:
+            self._generation_finished(generation)
+        if len(generations) > self._max:
+            finished = self._finished
+            # Each eviction is O(1): finished ones are queued apart from running ones.
+            while len(generations) > self._max and finished:
+                self._drop_generation(next(iter(finished)))
 
-    def _evict(self) -> None:
-        generations = self._generations
-        deadline = time.time() - self._ttl
-        excess = len(generations) - self._max
-        doomed = []
-        # Oldest first; running generations are skipped, never evicted.
-        for generation_id, generation in generations.items():
-            finished = generation.finished_at
-            if finished is None:
-                continue
-            if excess <= 0 and finished > deadline:
+    def _generation_finished(self, generation: Generation) -> None:
+        generation_id = generation.id
+        if self._generations.get(generation_id) is not generation:
+            return
+        cost = generation.size + _CHUNK_COST * len(generation.chunks)
+        if cost > self.max_bytes:
+            # It could never fit: drop it alone rather than evict everything else first.
+            del self._generations[generation_id]
+            if not self._warned_oversize:
+                self._warned_oversize = True
+                logger.warning(
+                    "generation %s (%d bytes) is larger than max_bytes (%d) of the memory "
+                    "backend: it is not kept once it ended, and later ones that size neither "
+                    "(this is said once); raise max_bytes or use a durable backend",
+                    generation_id,
+                    generation.size,
+                    self.max_bytes,
+                )
+            return
+        self._finished[generation_id] = cost
+        self._kept_bytes += cost
+        ended: float = generation.finished_at  # type: ignore[assignment]
+        if ended >= self._next_expiry:
+            # Reads drop an expired generation anyway; this returns its memory, now and then.
+            self._next_expiry = ended + min(self._ttl, 1.0)
+            self._expire_generations(ended)
+        if self._kept_bytes > self.max_bytes:
+            self._shrink()
+
+    def _drop_generation(self, generation_id: str) -> None:
+        self._generations.pop(generation_id, None)
+        self._kept_bytes -= self._finished.pop(generation_id, 0)
+
+    def _expire_generations(self, now: float) -> None:
+        finished = self._finished
+        # Every generation has the same ttl, so they expire in the order they finished.
+        deadline = now - self._ttl
+        while finished:
+            generation_id = next(iter(finished))
+            ended = self._generations[generation_id].finished_at
+            if ended is not None and ended > deadline:
                 break
-            doomed.append(generation_id)
-            excess -= 1
-        for generation_id in doomed:
-            del generations[generation_id]
+            self._drop_generation(generation_id)
+
+    def _shrink(self) -> None:
+        """Evict the oldest finished work, generations and claims alike, to ``max_bytes``."""
+        finished, completed = self._finished, self._completed
+        while self._kept_bytes > self.max_bytes and (finished or completed):
+            generation_id = next(iter(finished), None)
+            key = next(iter(completed), None)
+            if key is None or (
+                generation_id is not None
+                and self._generations[generation_id].finished_at  # type: ignore[operator]
+                <= self._claims[key].completed_at
+            ):
+                assert generation_id is not None
+                self._drop_generation(generation_id)
+            else:
+                self._drop_claim(key)
 
     def _live(self, generation_id: str) -> Generation | None:
         generation = self._generations.get(generation_id)
@@ -150,9 +305,13 @@ class MemoryBackend:
             return None
         finished = generation.finished_at
         if finished is not None and time.time() - finished > self._ttl:
-            del self._generations[generation_id]
+            self._drop_generation(generation_id)
             return None
         return generation
+
+    def produces(self, generation_id: str) -> bool:
+        """Whether this process produces the generation: every one kept here is."""
+        return generation_id in self._generations
 
     async def get(self, generation_id: str) -> GenerationInfo | None:
         generation = self._live(generation_id)

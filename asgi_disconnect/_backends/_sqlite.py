@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
+
+logger = logging.getLogger("asgi_disconnect")
 
 SCHEMA_VERSION = 1
 _T = TypeVar("_T")
@@ -118,6 +121,15 @@ where id = ? and (expires_at is null or expires_at > {_NOW})
 """
 
 
+# Change notices for live tails: one statement per poll interval covers every generation
+# some tail waits on (up to this many ids per statement).
+_STATES = f"""
+select id, status, size from asgi_disconnect_generations
+where id in ({{}}) and (expires_at is null or expires_at > {_NOW})
+"""
+_STATES_BATCH = 500
+
+
 def _open_failure(exc: sqlite3.Error | OSError, path: str) -> str:
     """Why SQLite could not open ``path`` and what to do about it.
 
@@ -159,14 +171,28 @@ class SQLiteStore:
 
     WAL lets readers in other worker processes run beside the writer; ``busy_timeout``
     makes writers wait for each other instead of failing.
+
+    Live tails of generations written by other processes wait in :meth:`changed_from` on
+    one poller per store, which looks at every generation they wait on with one statement
+    every ``poll_interval``: the polling costs the same for one tail or a thousand.
     """
 
     def __init__(self, path: str, *, url: str | None = None, poll_interval: float = 0.05) -> None:
+        if not poll_interval > 0:
+            raise ValueError("poll_interval must be positive")
         self.path = path
         self.url = url or f"sqlite:///{path}"
         self.poll_interval = poll_interval
         self._executor: ThreadPoolExecutor | None = None
         self._db: sqlite3.Connection | None = None
+        # The file the connection opened, (st_dev, st_ino), to notice it deleted or replaced.
+        self._file: tuple[int, int] | None = None
+        self.failure: str | None = None
+        # Tails waiting for a generation to move on from what they saw.
+        self._waiters: dict[
+            str, list[tuple[tuple[str, int], asyncio.Future[tuple[str, int] | None]]]
+        ] = {}
+        self._watcher: asyncio.Task[None] | None = None
 
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         assert self._executor is not None
@@ -209,14 +235,22 @@ class SQLiteStore:
                     f"supports ({SCHEMA_VERSION}); upgrade asgi-disconnect"
                 )
             db.execute("commit")
+            if self.path not in ("", ":memory:"):
+                opened = os.stat(self.path)
+                self._file = (opened.st_dev, opened.st_ino)
         except BaseException:
             if db.in_transaction:
                 db.execute("rollback")
             db.close()
             raise
         self._db = db
+        self.failure = None
 
     async def aclose(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
         if self._executor is None:
             return
         await self._run(self._close)
@@ -228,9 +262,35 @@ class SQLiteStore:
             self._db.close()
             self._db = None
 
+    def _check_file(self) -> None:
+        """Whether the file at ``path`` is still the one the connection has open.
+
+        A file deleted (or replaced) under an open connection takes every later commit with
+        it when the connection closes, silently: from then on this store refuses writes.
+        """
+        if self._file is None or self.failure is not None:
+            return
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            what = "was deleted"
+        else:
+            if (now.st_dev, now.st_ino) == self._file:
+                return
+            what = "was replaced by another file"
+        self.failure = (
+            f"{os.path.abspath(self.path)} {what} while this process had it open; what it "
+            "would write now would be lost with the old file. Output produced from now on is "
+            "kept in this process's memory only; restart the process to open the database again"
+        )
+        logger.error("%s: %s", self.url, self.failure)
+
     def _write(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         db = self._db
         assert db is not None
+        self._check_file()
+        if self.failure is not None:
+            raise BackendUnavailable(self.failure)
         db.execute("begin immediate")
         try:
             result = fn(db)
@@ -397,6 +457,60 @@ class SQLiteStore:
 
     async def changed(self, generation_id: str, timeout: float) -> None:
         await asyncio.sleep(timeout)
+
+    async def changed_from(
+        self, generation_id: str, seen: tuple[str, int], timeout: float
+    ) -> tuple[str, int] | None:
+        """Wait until the generation's (status, size) differs from ``seen``, as the
+        store's one poller sees it; return what it is now. None: gone, or not known (the
+        ``timeout`` passed, or the poller failed), so ask :meth:`info`."""
+        waiter: asyncio.Future[tuple[str, int] | None] = asyncio.get_running_loop().create_future()
+        waiting = self._waiters.setdefault(generation_id, [])
+        entry = (seen, waiter)
+        waiting.append(entry)
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._watch())
+        try:
+            async with asyncio.timeout(timeout):
+                return await waiter
+        except TimeoutError:
+            return None
+        finally:
+            waiting = self._waiters.get(generation_id, [])
+            if entry in waiting:
+                waiting.remove(entry)
+                if not waiting:
+                    del self._waiters[generation_id]
+
+    async def _watch(self) -> None:
+        """Every ``poll_interval``, one look at every generation a tail waits on."""
+        while self._waiters:
+            await asyncio.sleep(self.poll_interval)
+            ids = list(self._waiters)
+            if not ids:
+                break
+            try:
+                states: dict[str, tuple[str, int]] | None = await self._run(self._states, ids)
+            except Exception as exc:
+                # Let the tails look for themselves: they report what is wrong.
+                logger.debug("polling %s for live tails failed: %s", self.url, exc)
+                states = None
+            for generation_id in ids:
+                state = None if states is None else states.get(generation_id)
+                waiting = self._waiters.get(generation_id, [])
+                for seen, waiter in list(waiting):
+                    if (states is None or seen != state) and not waiter.done():
+                        waiter.set_result(state)
+
+    def _states(self, ids: list[str]) -> dict[str, tuple[str, int]]:
+        assert self._db is not None
+        states: dict[str, tuple[str, int]] = {}
+        for start in range(0, len(ids), _STATES_BATCH):
+            batch = ids[start : start + _STATES_BATCH]
+            sql = _STATES.format(", ".join("?" * len(batch)))
+            for generation_id, status, size in self._db.execute(sql, batch):
+                states[generation_id] = (status, size)
+        return states
 
 
 def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:

@@ -139,6 +139,93 @@ async def test_chunks_are_batched_not_one_statement_each(
         await backend.aclose()
 
 
+async def committed_then_failed(backend: DurableBackend) -> None:
+    """A flush whose COMMIT went through but whose caller was told it failed."""
+    original = backend.store.flush
+
+    async def ambiguous(batch):  # type: ignore[no-untyped-def]
+        await original(batch)
+        raise ConnectionError("the connection dropped during COMMIT")
+
+    backend.store.flush = ambiguous  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError):
+        await backend.flush()
+    backend.store.flush = original  # type: ignore[method-assign]
+
+
+async def committed_then_cancelled(backend: DurableBackend) -> None:
+    """A flush cancelled (at shutdown, say) while its write went on to commit."""
+    original = backend.store.flush
+    writing = asyncio.Event()
+
+    async def slow(batch):  # type: ignore[no-untyped-def]
+        async def write() -> None:
+            writing.set()
+            await asyncio.sleep(0.05)
+            await original(batch)
+
+        await asyncio.shield(write())
+
+    backend.store.flush = slow  # type: ignore[method-assign]
+    flushing = asyncio.ensure_future(backend.flush())
+    await writing.wait()
+    flushing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await flushing
+    backend.store.flush = original  # type: ignore[method-assign]
+    await asyncio.sleep(0.1)  # the shielded write commits meanwhile, as a thread's would
+
+
+async def failed_before_commit(backend: DurableBackend) -> None:
+    async def refused(batch):  # type: ignore[no-untyped-def]
+        raise ConnectionError("connection refused")
+
+    original = backend.store.flush
+    backend.store.flush = refused  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError):
+        await backend.flush()
+    backend.store.flush = original  # type: ignore[method-assign]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def durable_url(request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+@pytest.mark.parametrize(
+    "fault", [committed_then_failed, committed_then_cancelled, failed_before_commit]
+)
+async def test_a_flush_whose_outcome_is_unknown_loses_nothing_and_writes_nothing_twice(
+    durable_url: str, fault: object
+) -> None:
+    url = durable_url
+    writer = durable(url, flush_interval=5.0, lease=30.0)  # flushed by hand
+    reader = durable(url)
+    await writer.open()
+    await reader.open()
+    try:
+        generation = Generation(GID, principal="")
+        writer.register(generation)
+        generation.append(b"one;")
+        await settle(writer)
+        generation.append(b"two;")
+        await fault(writer)  # type: ignore[operator]
+        generation.append(b"three;")
+        await fault(writer)  # type: ignore[operator]
+        generation.append(b"four;")
+        generation.finish(Status.COMPLETE)
+        await settle(writer)
+        info = await reader.get(GID)
+        assert info is not None
+        assert info.status is Status.COMPLETE
+        assert info.size == len(b"one;two;three;four;")
+        assert await read_all(reader, GID) == b"one;two;three;four;"
+        assert await read_all(reader, GID, 5) == b"wo;three;four;"
+    finally:
+        await writer.aclose()
+        await reader.aclose()
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
 async def test_a_lost_owner_is_swept_as_interrupted_and_fenced(
     kind: str, request: pytest.FixtureRequest
@@ -326,6 +413,35 @@ async def test_resume_past_the_durable_size_waits_for_the_flush(sqlite_url: str)
         await later
         assert resumed.status == 200
         assert resumed.body == b"the rest"
+    finally:
+        await writer.aclose()
+        await reader.aclose()
+
+
+async def test_resume_far_past_the_durable_size_is_416_at_once(sqlite_url: str) -> None:
+    writer = durable(sqlite_url)
+    reader = durable(sqlite_url, poll_interval=0.02)
+    await writer.open()
+    await reader.open()
+    try:
+        generation = Generation(GID, principal="")
+        writer.register(generation)
+        generation.append(b"persisted;")
+        await settle(writer)
+        mw = DisconnectMiddleware(sse_app(Probe()), backend=reader)
+        # No owner is 1 GiB ahead of what it flushed 50 ms ago: no waiting for it.
+        far = generation.size + (1 << 30)
+        with anyio.fail_after(1):
+            resumed = await drive(
+                mw,
+                path=f"/generations/{GID}/stream",
+                query_string=f"offset={far}".encode(),
+                timeout=1,
+            )
+        assert resumed.status == 416
+        assert resumed.header("content-type") == "application/problem+json"
+        assert resumed.header("content-range") == f"bytes */{generation.size}"
+        generation.finish(Status.COMPLETE)
     finally:
         await writer.aclose()
         await reader.aclose()

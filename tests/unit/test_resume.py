@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import anyio
 import msgspec
 import pytest
 
-from asgi_disconnect import DisconnectMiddleware, MemoryBackend
+from asgi_disconnect import DisconnectMiddleware, MemoryBackend, default_principal
+from asgi_disconnect._log import Generation, Status
 from asgi_disconnect.testing import drive
 from tests.apps import Probe, sse_app
 
@@ -106,7 +110,8 @@ async def test_prefix_alone_is_left_to_the_app(mw: DisconnectMiddleware) -> None
         b"offset=",
         b"offset=1&offset=2",
         b"offset=%EF%BC%91",
-        b"offset=99999999999999999999999",
+        b"offset=+5",
+        b"offset=5%20",
     ],
 )
 async def test_bad_offset_is_400(mw: DisconnectMiddleware, query: bytes) -> None:
@@ -137,6 +142,88 @@ async def test_offset_past_the_end_is_416(mw: DisconnectMiddleware) -> None:
     )
     assert at_end.status == 200
     assert at_end.body == b""
+
+
+@pytest.mark.parametrize(
+    "offset", ["9999999999999999999", "99999999999999999999999", "1" + "0" * 5000]
+)
+async def test_a_number_too_big_is_out_of_range_not_malformed(
+    mw: DisconnectMiddleware, offset: str
+) -> None:
+    generation_id, body = await made_by_alice(mw)
+    result = await drive(
+        mw,
+        path=f"/generations/{generation_id}/stream",
+        query_string=f"offset={offset}".encode(),
+        headers=ALICE,
+    )
+    assert result.status == 416
+    assert problem(result)["type"] == "urn:asgi-disconnect:problem:offset-out-of-range"
+    assert result.header("content-range") == f"bytes */{len(body)}"
+
+
+async def test_leading_zeros_are_the_same_offset(mw: DisconnectMiddleware) -> None:
+    generation_id, body = await made_by_alice(mw)
+    result = await drive(
+        mw,
+        path=f"/generations/{generation_id}/stream",
+        query_string=b"offset=" + b"0" * 30 + b"7",
+        headers=ALICE,
+    )
+    assert result.status == 200
+    assert result.body == body[7:]
+
+
+async def running_here() -> tuple[DisconnectMiddleware, Generation]:
+    backend = MemoryBackend()
+    generation = Generation(
+        "gen_" + "R" * 24,
+        principal=default_principal({"headers": [(b"authorization", b"Bearer alice")]}),
+        content_type="text/event-stream",
+    )
+    backend.register(generation)
+    generation.append(b"data: 1\n\n")
+    return DisconnectMiddleware(sse_app(Probe()), backend=backend), generation
+
+
+@pytest.mark.parametrize("ahead", [1, 1 << 40])
+async def test_past_the_live_size_of_a_generation_running_here_is_416_at_once(
+    ahead: int,
+) -> None:
+    # This process's live log is the truth: no byte past it exists anywhere yet.
+    mw, generation = await running_here()
+    with anyio.fail_after(1):
+        result = await drive(
+            mw,
+            path=f"/generations/{generation.id}/stream",
+            query_string=f"offset={generation.size + ahead}".encode(),
+            headers=ALICE,
+            timeout=1,
+        )
+    assert result.status == 416
+    assert problem(result)["type"] == "urn:asgi-disconnect:problem:offset-out-of-range"
+    assert result.header("content-range") == f"bytes */{generation.size}"
+    generation.finish(Status.COMPLETE)
+
+
+async def test_within_the_live_size_of_a_running_generation_follows_it() -> None:
+    mw, generation = await running_here()
+
+    async def produce() -> None:
+        await asyncio.sleep(0.05)
+        generation.append(b"data: 2\n\n")
+        generation.finish(Status.COMPLETE)
+
+    producing = asyncio.ensure_future(produce())
+    result = await drive(
+        mw,
+        path=f"/generations/{generation.id}/stream",
+        query_string=f"offset={generation.size}".encode(),
+        headers=ALICE,
+    )
+    await producing
+    assert result.status == 200
+    assert result.body == b"data: 2\n\n"
 
 
 async def test_other_methods_are_405(mw: DisconnectMiddleware) -> None:

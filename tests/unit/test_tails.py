@@ -1,0 +1,229 @@
+"""Live tails on a replica that does not own the generation: shared, capped, complete."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from asgi_disconnect import connect
+from asgi_disconnect._backends import DurableBackend
+from asgi_disconnect._log import Generation, Status
+
+pytestmark = pytest.mark.anyio
+
+POLL = 0.02
+
+
+def durable(url: str, **options: object) -> DurableBackend:
+    backend = connect(url, **options)  # type: ignore[arg-type]
+    assert isinstance(backend, DurableBackend)
+    return backend
+
+
+async def settle(backend: DurableBackend) -> None:
+    while await backend.flush():
+        pass
+
+
+class Statements:
+    """Counts the SQL statements a SQLite backend's connection runs."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def attach(self, backend: DurableBackend) -> None:
+        store = backend.store
+
+        def counted(_: str) -> None:
+            self.count += 1
+
+        await store._run(lambda: store._db.set_trace_callback(counted))  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+async def replicas(sqlite_url: str) -> AsyncIterator[tuple[DurableBackend, DurableBackend]]:
+    writer = durable(sqlite_url, flush_interval=5.0, lease=30.0)  # flushed by hand below
+    reader = durable(sqlite_url, poll_interval=POLL)
+    await writer.open()
+    await reader.open()
+    yield writer, reader
+    await reader.aclose()
+    await writer.aclose()
+
+
+class Tail:
+    def __init__(self, backend: DurableBackend, generation_id: str, offset: int = 0) -> None:
+        self.offset = offset
+        self.body = b""
+        self.grew = asyncio.Event()
+        self.task = asyncio.ensure_future(self._read(backend, generation_id))
+
+    async def _read(self, backend: DurableBackend, generation_id: str) -> None:
+        async for data in backend.follow(generation_id, self.offset):
+            self.body += data
+            self.grew.set()
+
+    async def reach(self, size: int) -> None:
+        while self.offset + len(self.body) < size:
+            self.grew.clear()
+            await self.grew.wait()
+
+
+async def test_tails_of_one_generation_share_one_poller(
+    replicas: tuple[DurableBackend, DurableBackend],
+) -> None:
+    writer, reader = replicas
+    generation = Generation("gen_" + "T" * 24, principal="")
+    writer.register(generation)
+    generation.append(b"data: 0\n\n")
+    await settle(writer)
+    statements = Statements()
+    await statements.attach(reader)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    tails = [Tail(reader, generation.id, offset=n % 5) for n in range(300)]
+    async with asyncio.timeout(20):
+        await asyncio.gather(*(tail.reach(generation.size) for tail in tails))
+        changes = 10
+        for n in range(1, changes + 1):
+            generation.append(b"data: %d\n\n" % n)
+            await settle(writer)
+            await asyncio.gather(*(tail.reach(generation.size) for tail in tails))
+        generation.finish(Status.COMPLETE)
+        await settle(writer)
+        await asyncio.gather(*(tail.task for tail in tails))
+    intervals = (loop.time() - started) / POLL + 1
+    body = generation.read(0)
+    assert all(tail.body == body[tail.offset :] for tail in tails)
+    # Per poll interval, and per change: a few statements, not two per reader (600 here).
+    # Each reader's first read, from its own offset, is its own.
+    assert statements.count - len(tails) < 2 * intervals + 4 * (changes + 1)
+
+
+async def test_idle_tails_of_many_generations_cost_one_statement_per_interval(
+    replicas: tuple[DurableBackend, DurableBackend],
+) -> None:
+    writer, reader = replicas
+    made = [Generation(f"gen_{n:024d}", principal="") for n in range(100)]
+    for generation in made:
+        writer.register(generation)
+        generation.append(b"data: start\n\n")
+    await settle(writer)
+    tails = [Tail(reader, generation.id) for generation in made for _ in range(3)]
+    async with asyncio.timeout(20):
+        await asyncio.gather(*(tail.reach(made[0].size) for tail in tails))
+        statements = Statements()
+        await statements.attach(reader)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # Nothing changes for a while: the polling is all that runs.
+        await asyncio.sleep(20 * POLL)
+        ran, intervals = statements.count, (loop.time() - started) / POLL
+        for generation in made:
+            generation.finish(Status.COMPLETE)
+        await settle(writer)
+        await asyncio.gather(*(tail.task for tail in tails))
+    assert all(tail.body == b"data: start\n\n" for tail in tails)
+    # One statement per poll interval for the whole store, not one per generation (100).
+    assert ran <= intervals + 2
+
+
+async def test_a_reader_that_joins_late_or_lags_gets_every_byte(
+    replicas: tuple[DurableBackend, DurableBackend],
+) -> None:
+    writer, reader = replicas
+    generation = Generation("gen_" + "L" * 24, principal="")
+    writer.register(generation)
+    async with asyncio.timeout(20):
+        for n in range(50):
+            generation.append(b"%d;" % n * (n + 1))
+            await settle(writer)
+            if n == 0:
+                early = Tail(reader, generation.id)
+            if n == 25:
+                late = Tail(reader, generation.id, offset=7)
+            if n % 10 == 0:
+                await early.reach(generation.size)
+        generation.finish(Status.COMPLETE)
+        await settle(writer)
+        await asyncio.gather(early.task, late.task)
+    body = generation.read(0)
+    assert early.body == body
+    assert late.body == body[7:]
+
+
+async def test_a_tail_ends_with_a_generation_that_expired(
+    replicas: tuple[DurableBackend, DurableBackend],
+) -> None:
+    writer, reader = replicas
+    generation = Generation("gen_" + "E" * 24, principal="")
+    writer.register(generation)
+    generation.append(b"data: 0\n\n")
+    await settle(writer)
+    tail = Tail(reader, generation.id)
+    async with asyncio.timeout(20):
+        await tail.reach(generation.size)
+        await writer.store._run(  # type: ignore[attr-defined]
+            writer.store._write,  # type: ignore[attr-defined]
+            lambda db: db.execute(
+                "update asgi_disconnect_generations set expires_at = 0 where id = ?",
+                (generation.id,),
+            ),
+        )
+        await tail.task
+    assert tail.body == b"data: 0\n\n"
+    generation.finish(Status.COMPLETE)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def durable_url(request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+async def test_readers_of_one_generation_query_the_store_once_per_change(
+    durable_url: str,
+) -> None:
+    writer = durable(durable_url, flush_interval=5.0, lease=30.0)
+    reader = durable(durable_url, poll_interval=POLL)
+    await writer.open()
+    await reader.open()
+    calls = {"info": 0, "read": 0}
+    store = reader.store
+    info, read = store.info, store.read
+
+    async def counted_info(generation_id: str):  # type: ignore[no-untyped-def]
+        calls["info"] += 1
+        return await info(generation_id)
+
+    async def counted_read(generation_id: str, offset: int, limit: int) -> bytes:
+        calls["read"] += 1
+        return await read(generation_id, offset, limit)
+
+    store.info = counted_info  # type: ignore[method-assign]
+    store.read = counted_read  # type: ignore[method-assign]
+    try:
+        generation = Generation("gen_" + "Q" * 24, principal="")
+        writer.register(generation)
+        generation.append(b"data: 0\n\n")
+        await settle(writer)
+        tails = [Tail(reader, generation.id) for _ in range(100)]
+        changes = 10
+        async with asyncio.timeout(20):
+            await asyncio.gather(*(tail.reach(generation.size) for tail in tails))
+            for n in range(1, changes + 1):
+                generation.append(b"data: %d\n\n" % n)
+                await settle(writer)
+                await asyncio.gather(*(tail.reach(generation.size) for tail in tails))
+            generation.finish(Status.COMPLETE)
+            await settle(writer)
+            await asyncio.gather(*(tail.task for tail in tails))
+        assert all(tail.body == generation.read(0) for tail in tails)
+        # Each reader's first read is its own; after that, a few calls per change, shared.
+        # (Per reader, it was one info and one read each poll: thousands here.)
+        assert calls["read"] <= len(tails) + 2 * (changes + 2)
+        assert calls["info"] <= 4 * (changes + 2)
+    finally:
+        await reader.aclose()
+        await writer.aclose()
