@@ -116,6 +116,7 @@ class MemoryBackend:
 
     @property
     def claim_count(self) -> int:
+        """The claims kept now, running and completed."""
         return len(self._claims)
 
     async def open(self) -> None:
@@ -151,7 +152,7 @@ class MemoryBackend:
             self._drop_claim((principal, key))
         self._claims[(principal, key)] = _MemoryClaim(fingerprint, owner, now + lease, now + ttl)
         if len(self._claims) > self._max_claims:
-            self._evict_claims(now)
+            self._evict_claims()
         return Claim(state=ClaimState.ACQUIRED)
 
     async def renew_claims(self, owner: str, lease: float) -> None:
@@ -208,7 +209,8 @@ class MemoryBackend:
             for key in [key for key, held in claims.items() if held.dead(now)]:
                 self._drop_claim(key)
 
-    def _evict_claims(self, now: float) -> None:
+    def _evict_claims(self) -> None:
+        # Expired ones went first (claim() expires before it inserts); then the oldest done.
         completed = self._completed
         while len(self._claims) > self._max_claims and completed:
             self._drop_claim(next(iter(completed)))
