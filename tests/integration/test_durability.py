@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
 import subprocess
 import time
 
@@ -13,9 +11,6 @@ import httpx
 import msgspec
 import pytest
 
-from asgi_disconnect import connect
-from asgi_disconnect._backends import DurableBackend
-from asgi_disconnect._log import Generation, Status
 from asgi_disconnect.testing import request
 from tests.integration.processes import serve
 
@@ -118,58 +113,3 @@ async def test_a_replica_resumes_live_and_ends_when_the_owner_finishes(shared_ur
     assert lag < 1.0
 
 
-@pytest.mark.postgres
-async def test_postgres_restart_mid_generation_loses_and_duplicates_nothing(
-    postgres_url: str,
-) -> None:
-    ctl = shutil.which("pg_ctlcluster")
-    if ctl is None:
-        pytest.fail("pg_ctlcluster is needed to restart PostgreSQL in this test")
-    version = sorted(os.listdir("/etc/postgresql"))[-1]
-    backend = connect(postgres_url, flush_interval=FLUSH_INTERVAL)
-    assert isinstance(backend, DurableBackend)
-    await backend.open()
-    generation = Generation("gen_" + "R" * 24, principal="")
-    backend.register(generation)
-
-    async def produce() -> None:
-        for i in range(400):
-            generation.append(b"chunk %04d;" % i)
-            await asyncio.sleep(0.01)
-        generation.finish(Status.COMPLETE)
-
-    try:
-        producer = asyncio.ensure_future(produce())
-        await asyncio.sleep(0.5)
-        restart = await asyncio.create_subprocess_exec(
-            ctl,
-            "--skip-systemctl-redirect",
-            version,
-            "main",
-            "restart",
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        async with asyncio.timeout(60):
-            _, err = await restart.communicate()
-        assert restart.returncode == 0, err.decode()
-        async with asyncio.timeout(30):
-            await producer
-        async with asyncio.timeout(30):
-            while backend.pending_bytes() or (await backend.get(generation.id)) is None:
-                await asyncio.sleep(0.05)
-            while (await backend.get(generation.id)).status is Status.RUNNING:  # type: ignore[union-attr]
-                await asyncio.sleep(0.05)
-    finally:
-        await backend.aclose()
-    reader = connect(postgres_url)
-    await reader.open()
-    try:
-        stored = b"".join([chunk async for chunk in reader.follow(generation.id, 0)])
-        info = await reader.get(generation.id)
-    finally:
-        await reader.aclose()
-    assert stored == generation.read(0)
-    assert stored.count(b";") == 400
-    assert info is not None
-    assert info.status is Status.COMPLETE
