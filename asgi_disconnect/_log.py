@@ -97,8 +97,9 @@ class Generation:
         self.finished_at = time.time_ns() // 1000 / 1e6  # now(), inlined
         if self.waiters:
             self.wake()
-        if self.on_finish is not None:
-            self.on_finish(self)
+        on_finish = self.on_finish
+        if on_finish is not None:
+            on_finish(self)
         return True
 
     def wake(self) -> None:

@@ -189,8 +189,15 @@ class ResumeEndpoints:
                 tg.cancel_scope.cancel()
 
             tg.start_soon(watch_disconnect)
-            async for data in self.backend.follow(info.id, offset):
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+            chunks = self.backend.follow(info.id, offset)
+            try:
+                async for data in chunks:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+            finally:
+                # A client that left stops following now, not when the iterator is collected.
+                aclose = getattr(chunks, "aclose", None)
+                if aclose is not None:
+                    await aclose()
             final = await self.backend.get(info.id)
             tail = b""
             if (

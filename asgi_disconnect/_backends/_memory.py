@@ -116,6 +116,7 @@ class MemoryBackend:
 
     @property
     def claim_count(self) -> int:
+        """The claims kept now, running and completed."""
         return len(self._claims)
 
     async def open(self) -> None:
@@ -151,7 +152,7 @@ class MemoryBackend:
             self._drop_claim((principal, key))
         self._claims[(principal, key)] = _MemoryClaim(fingerprint, owner, now + lease, now + ttl)
         if len(self._claims) > self._max_claims:
-            self._evict_claims(now)
+            self._evict_claims()
         return Claim(state=ClaimState.ACQUIRED)
 
     async def renew_claims(self, owner: str, lease: float) -> None:
@@ -208,7 +209,8 @@ class MemoryBackend:
             for key in [key for key, held in claims.items() if held.dead(now)]:
                 self._drop_claim(key)
 
-    def _evict_claims(self, now: float) -> None:
+    def _evict_claims(self) -> None:
+        # Expired ones went first (claim() expires before it inserts); then the oldest done.
         completed = self._completed
         while len(self._claims) > self._max_claims and completed:
             self._drop_claim(next(iter(completed)))
@@ -234,39 +236,51 @@ class MemoryBackend:
         if not generation.running:
             self._generation_finished(generation)
         if len(generations) > self._max:
-            finished = self._finished
-            # Each eviction is O(1): finished ones are queued apart from running ones.
-            while len(generations) > self._max and finished:
-                self._drop_generation(next(iter(finished)))
+            self._evict()
+
+    def _evict(self) -> None:
+        """The oldest finished generations, down to an eighth below ``max_generations``, so
+        that a full store evicts once every so many requests, not at each."""
+        generations, finished = self._generations, self._finished
+        target = self._max - (self._max >> 3)
+        kept = self._kept_bytes
+        while len(generations) > target and finished:
+            generation_id, cost = finished.popitem(last=False)
+            generations.pop(generation_id, None)
+            kept -= cost
+        self._kept_bytes = kept
 
     def _generation_finished(self, generation: Generation) -> None:
-        generation_id = generation.id
-        if self._generations.get(generation_id) is not generation:
-            return
+        # Once per request: a running generation is never dropped, so this one is kept.
         cost = generation.size + _CHUNK_COST * len(generation.chunks)
-        if cost > self.max_bytes:
-            # It could never fit: drop it alone rather than evict everything else first.
-            del self._generations[generation_id]
-            if not self._warned_oversize:
-                self._warned_oversize = True
-                logger.warning(
-                    "generation %s (%d bytes) is larger than max_bytes (%d) of the memory "
-                    "backend: it is not kept once it ended, and later ones that size neither "
-                    "(this is said once); raise max_bytes or use a durable backend",
-                    generation_id,
-                    generation.size,
-                    self.max_bytes,
-                )
+        max_bytes = self.max_bytes
+        if cost > max_bytes:
+            self._oversize(generation)
             return
-        self._finished[generation_id] = cost
-        self._kept_bytes += cost
+        self._finished[generation.id] = cost
+        kept = self._kept_bytes = self._kept_bytes + cost
         ended: float = generation.finished_at  # type: ignore[assignment]
         if ended >= self._next_expiry:
             # Reads drop an expired generation anyway; this returns its memory, now and then.
             self._next_expiry = ended + min(self._ttl, 1.0)
             self._expire_generations(ended)
-        if self._kept_bytes > self.max_bytes:
+            kept = self._kept_bytes
+        if kept > max_bytes:
             self._shrink()
+
+    def _oversize(self, generation: Generation) -> None:
+        # It could never fit: drop it alone rather than evict everything else first.
+        self._generations.pop(generation.id, None)
+        if not self._warned_oversize:
+            self._warned_oversize = True
+            logger.warning(
+                "generation %s (%d bytes) is larger than max_bytes (%d) of the memory "
+                "backend: it is not kept once it ended, and later ones that size neither "
+                "(this is said once); raise max_bytes or use a durable backend",
+                generation.id,
+                generation.size,
+                self.max_bytes,
+            )
 
     def _drop_generation(self, generation_id: str) -> None:
         self._generations.pop(generation_id, None)

@@ -7,9 +7,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from asgi_disconnect import connect
+from asgi_disconnect import DisconnectMiddleware, connect
 from asgi_disconnect._backends import DurableBackend
 from asgi_disconnect._log import Generation, Status
+from asgi_disconnect.testing import drive
+from tests.apps import Probe, sse_app
 
 pytestmark = pytest.mark.anyio
 
@@ -227,3 +229,22 @@ async def test_readers_of_one_generation_query_the_store_once_per_change(
     finally:
         await reader.aclose()
         await writer.aclose()
+
+
+async def test_a_client_that_leaves_stops_following_at_once(
+    replicas: tuple[DurableBackend, DurableBackend],
+) -> None:
+    writer, reader = replicas
+    generation = Generation("gen_" + "G" * 24, principal="", content_type="text/event-stream")
+    writer.register(generation)
+    generation.append(b"data: 0\n\n")
+    await settle(writer)
+    mw = DisconnectMiddleware(sse_app(Probe()), backend=reader)
+    result = await drive(
+        mw, path=f"/generations/{generation.id}/stream", disconnect_after_bytes=1
+    )
+    assert result.disconnected
+    assert result.body == b"data: 0\n\n"
+    # Its tail is gone with it, poller and all.
+    assert not reader._tails
+    generation.finish(Status.COMPLETE)
