@@ -28,7 +28,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from asgi_disconnect import MemoryBackend
-from asgi_disconnect._contract import RequestState, current_state, default_principal
+from asgi_disconnect._contract import Ending, RequestState, current_state, default_principal
 from asgi_disconnect._contract import new_generation_id as _new_generation_id
 from asgi_disconnect._log import Generation, Status
 from benchmarks.apps import make_app
@@ -99,7 +99,7 @@ class _Records:
         try:
             await self.app(scope, receive, send_recorded)
         finally:
-            state.finish()
+            state.finish(Ending.DELIVERED)
 
 
 header_app = _Header(make_app())
