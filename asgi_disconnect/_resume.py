@@ -83,6 +83,12 @@ class ResumeEndpoints:
             )
             return
         owner = await self.backend.principal_of(generation_id)
+        flush_interval = getattr(self.backend, "flush_interval", None)
+        if owner is None and flush_interval is not None:
+            # Made a moment ago on another replica, it may not be stored yet: wait for the
+            # owner's next flush before saying it does not exist.
+            await asyncio.sleep(4 * flush_interval)
+            owner = await self.backend.principal_of(generation_id)
         # Another caller's generation is indistinguishable from a missing one.
         readable = owner is not None and owner == (self.principal(scope) or "")
         info = await self.backend.get(generation_id) if readable else None
