@@ -158,20 +158,15 @@ class MeteringMiddleware:
         delivered = state.delivered_bytes if state is not None else tee.produced
         delivered = min(delivered, produced)
         failure = tee.failure
-        policy = state.policy.value if state is not None and state.policy is not None else None
         cancelled = isinstance(failure, asyncio.CancelledError)
-        if cancelled:
-            outcome = "cancelled" if policy == "cancel" else "interrupted"
-        elif (
-            failure is not None
-            or report.error is not None
-            or (tee.status_code is not None and tee.status_code >= 400)
-        ):
-            outcome = "error"
-        elif report.terminal_marker_seen:
-            outcome = "complete"
-        else:
-            outcome = "truncated"
+        outcome = _failed_outcome(tee, state)
+        if outcome is None:
+            if report.error is not None:
+                outcome = "error"
+            elif report.terminal_marker_seen:
+                outcome = "complete"
+            else:
+                outcome = "truncated"
         error_type = report.error_type
         if error_type is None and failure is not None and not cancelled:
             error_type = getattr(failure, "error_type", None) or type(failure).__name__
@@ -188,13 +183,8 @@ class MeteringMiddleware:
             # Scale the count by the share of the output text that reached the client.
             share = len(delivered_text) / len(text) if text else delivered / max(produced, 1)
             delivered_tokens = min(output_tokens, round(output_tokens * share))
-        route = scope.get("route")
         return UsageRecord(
-            generation_id=state.generation_id if state is not None else None,
-            principal=state.principal if state is not None else None,
-            method=scope["method"],
-            route=getattr(route, "path", None) or scope["path"],
-            status_code=tee.status_code,
+            **_request_fields(scope, tee, state),
             provider=report.provider_format,
             model=report.model,
             outcome=outcome,
@@ -203,53 +193,29 @@ class MeteringMiddleware:
             usage_source=usage_source,
             cache_read_tokens=report.cache_read_tokens,
             reasoning_tokens=report.reasoning_tokens,
-            produced_bytes=produced,
             delivered_bytes=delivered,
             produced_output_tokens=output_tokens,
             delivered_output_tokens=delivered_tokens,
-            time_to_first_event=tee.first_event,
-            duration=tee.ended - tee.started,
             finish_reason=report.finish_reason,
             error_type=error_type,
-            policy=policy,
-            detached=state.detached if state is not None else False,
-            started_at=tee.started_at,
         )
 
     def _unknown(self, scope: Scope, tee: _Tee, state: RequestState | None) -> UsageRecord:
         """The one record of a response that could not be analysed: usage unknown."""
         failure = tee.failure
-        policy = state.policy.value if state is not None and state.policy is not None else None
-        if isinstance(failure, asyncio.CancelledError):
-            outcome = "cancelled" if policy == "cancel" else "interrupted"
-        elif failure is not None or (tee.status_code or 0) >= 400:
-            outcome = "error"
-        else:
-            outcome = "unknown"
-        route = scope.get("route")
         return UsageRecord(
-            generation_id=state.generation_id if state is not None else None,
-            principal=state.principal if state is not None else None,
-            method=scope.get("method", ""),
-            route=getattr(route, "path", None) or scope.get("path", ""),
-            status_code=tee.status_code,
+            **_request_fields(scope, tee, state),
             provider=tee.provider,
             model=None,
-            outcome=outcome,
+            outcome=_failed_outcome(tee, state) or "unknown",
             input_tokens=None,
             output_tokens=None,
             usage_source="none",
-            produced_bytes=tee.produced,
             delivered_bytes=min(state.delivered_bytes if state else tee.produced, tee.produced),
             produced_output_tokens=None,
             delivered_output_tokens=None,
-            time_to_first_event=tee.first_event,
-            duration=tee.ended - tee.started,
             finish_reason=None,
             error_type=type(failure).__name__ if failure is not None else None,
-            policy=policy,
-            detached=state.detached if state is not None else False,
-            started_at=tee.started_at,
         )
 
     async def _count(self, text: str) -> int:
@@ -395,6 +361,34 @@ def _json_report(body: bytes, provider: str | None) -> Any:
         event_count=0,
         model=_text(payload.get("model")),
     )
+
+
+def _request_fields(scope: Scope, tee: _Tee, state: RequestState | None) -> dict[str, Any]:
+    """What a usage record says of the request, whatever its body said."""
+    route = scope.get("route")
+    return {
+        "generation_id": state.generation_id if state is not None else None,
+        "principal": state.principal if state is not None else None,
+        "method": scope.get("method", ""),
+        "route": getattr(route, "path", None) or scope.get("path", ""),
+        "status_code": tee.status_code,
+        "produced_bytes": tee.produced,
+        "time_to_first_event": tee.first_event,
+        "duration": tee.ended - tee.started,
+        "policy": state.policy.value if state is not None and state.policy is not None else None,
+        "detached": state.detached if state is not None else False,
+        "started_at": tee.started_at,
+    }
+
+
+def _failed_outcome(tee: _Tee, state: RequestState | None) -> str | None:
+    """``cancelled``, ``interrupted`` or ``error`` when the exchange says so, else None."""
+    if isinstance(tee.failure, asyncio.CancelledError):
+        policy = state.policy if state is not None else None
+        return "cancelled" if policy is not None and policy.value == "cancel" else "interrupted"
+    if tee.failure is not None or (tee.status_code or 0) >= 400:
+        return "error"
+    return None
 
 
 def _dict(value: object) -> dict[str, Any]:

@@ -143,14 +143,10 @@ class ClientWriter:
         self.direct = True
 
     def move(self, to: Delivery) -> None:
+        """Move the response on; an impossible move is a bug, named by both states."""
         if to not in _MOVES[self.delivery]:
             raise RuntimeError(f"the response cannot go from {self.delivery.value} to {to.value}")
         self.delivery = to
-
-    @property
-    def busy(self) -> bool:
-        """A send waits on the client."""
-        return self._pending is not None or self.send_started != 0.0
 
     # -- the producer's side ------------------------------------------------------------
 
@@ -158,7 +154,7 @@ class ClientWriter:
         """Send ``message`` (in the log up to chunk ``count``) as the writer; the exchange
         inlines this for a body chunk that is not the last."""
         if self._ends(message):
-            self.delivery = _FINAL
+            self.move(_FINAL)
         sending: Any = self.send(message)
         try:
             if self.plain:
@@ -208,7 +204,7 @@ class ClientWriter:
         """The client is gone (``client``), lagging (``lag``) or the server refused (``error``)."""
         if self.delivery is _GONE or self.delivery is _DONE:
             return
-        self.delivery = _GONE
+        self.move(_GONE)
         self.direct = False
         self._free_room()
         self.stop()
@@ -308,7 +304,7 @@ class ClientWriter:
             elif kind != "http.response.pathsend":
                 return
         if self.delivery is not _GONE:
-            self.delivery = _DONE
+            self.move(_DONE)
             self.direct = False
 
     # -- the writer task ------------------------------------------------------------------
@@ -326,7 +322,7 @@ class ClientWriter:
                 if following is not None:
                     message, size, count = following
                     if self._ends(message):
-                        self.delivery = _FINAL
+                        self.move(_FINAL)
                     self._arm(loop)
                     await self.send(message)
                     self._disarm()
