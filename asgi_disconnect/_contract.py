@@ -23,8 +23,9 @@ field                  written by
 ``disconnected``       DisconnectMiddleware, when the client left or lagged
 ``delivered_bytes``    DisconnectMiddleware's client writer
 ``ending``             DisconnectMiddleware, once, when the exchange is over
-``stream_end``         MeteringMiddleware, at the final body: how the stream ended by
-                       its protocol (``complete``, ``error``, ``truncated``; None unknown)
+``stream_ending``      MeteringMiddleware, at an event stream's start: a callable that
+                       says how it ended by its protocol (``complete``, ``error``,
+                       ``truncated``; None unknown), asked when the final body arrives
 ``upstreams``          the upstream helpers (``asgi_disconnect.upstream``)
 =====================  ======================================================
 
@@ -140,7 +141,7 @@ class RequestState:
         "handled",
         "policy",
         "principal",
-        "stream_end",
+        "stream_ending",
         "upstreams",
     )
 
@@ -151,7 +152,7 @@ class RequestState:
         self.policy: Policy | None = None
         self.detached = False
         self.ending: Ending | None = None
-        self.stream_end: str | None = None
+        self.stream_ending: Callable[[], str | None] | None = None
         self._disconnected: asyncio.Event | None = None
         self.disconnect_reason: str | None = None
         self.delivered_bytes = 0

@@ -427,36 +427,31 @@ class _Exchange:
             self.mw.counters.detach_completed += 1
         state.finish(self._ending())
 
-    def _record_end(self, status: Status, error: str) -> None:
+    def _record_end(
+        self, status: Status, error: str, code: str = "incomplete_response", frame: str = ""
+    ) -> None:
+        """End a generation that did not complete. A failed event stream gets an error frame
+        (``code``; ``frame`` its message, else ``error``) and a proper end; any other
+        response is left open, so the server aborts it rather than end it cleanly."""
         generation = self.generation
         if generation is None or not generation.running:
             return
         if status is _STATUS_FAILED and is_event_stream(generation.content_type):
-            generation.append(error_frame(generation.id, "incomplete_response", error))
+            generation.append(error_frame(generation.id, code, frame or error))
             generation.finish(status, error)
             self._deliver_rest()
             return
         generation.finish(status, error)
         if self.writer is not None:
-            # Not finished as a stream is: leave the response open, so the server aborts it.
             self.writer.end_response = False
 
     def _failed(self, exc: BaseException) -> None:
-        generation = self.generation
-        if generation is None or not generation.running:
-            return
-        code = getattr(exc, "error_type", "stream_error")
-        if is_event_stream(generation.content_type):
-            generation.append(
-                error_frame(generation.id, str(code), "The stream failed after it started.")
-            )
-        elif self.writer is not None:
-            # Not a stream: leave the response unfinished, so the server aborts it.
-            self.writer.end_response = False
-        generation.finish(_STATUS_FAILED, f"{type(exc).__name__}: {exc}"[:500])
-        if not is_event_stream(generation.content_type):
-            return
-        self._deliver_rest()
+        self._record_end(
+            _STATUS_FAILED,
+            f"{type(exc).__name__}: {exc}"[:500],
+            str(getattr(exc, "error_type", "stream_error")),
+            "The stream failed after it started.",
+        )
 
     def _ended_short(self, generation: Generation, end: str) -> None:
         """The app ended a stream whose protocol did not say it was complete."""
@@ -569,7 +564,7 @@ class _Exchange:
             if not app_task.done():
                 return
         self._finish()
-        error = self.app_error or self._send_error()
+        error = self.app_error or (self.writer.error if self.writer is not None else None)
         if error is not None and not self.state.detached:
             self.app_error = None
             raise error
@@ -667,10 +662,6 @@ class _Exchange:
             )
         if writer.delivery is not _DONE and writer.delivery is not _GONE:
             writer.delivery = _GONE
-
-    def _send_error(self) -> BaseException | None:
-        writer = self.writer
-        return writer.error if writer is not None else None
 
     async def _client_lost(self, reason: str) -> None:
         mw = self.mw
@@ -823,7 +814,8 @@ class _Exchange:
                     raise RuntimeError(
                         "ASGI message 'http.response.body' sent after the response ended"
                     )
-                end = self.state.stream_end
+                ending = self.state.stream_ending
+                end = None if ending is None else ending()
                 if end is None or end == "complete":
                     generation.finish(_STATUS_COMPLETE)
                 else:

@@ -81,8 +81,7 @@ class MeteringMiddleware:
         if not isinstance(state, RequestState):
             state = None
         provider = self.provider(scope) if callable(self.provider) else self.provider
-        tee = _Tee(provider, time.time(), time.monotonic(), keep_body=state is None)
-        tee.state = state
+        tee = _Tee(provider, time.time(), time.monotonic(), state)
         reservation: Any = None
         if self.reservations is not None:
             try:
@@ -245,10 +244,12 @@ class _Tee:
     )
 
     def __init__(
-        self, provider: str | None, started_at: float, started: float, *, keep_body: bool
+        self, provider: str | None, started_at: float, started: float, state: RequestState | None
     ) -> None:
         self.provider = provider
-        self.keep_body = keep_body
+        self.state = state
+        # Without DisconnectMiddleware no log keeps the body: the tee keeps it.
+        self.keep_body = state is None
         self.started_at = started_at
         self.started = started
         self.ended = started
@@ -260,27 +261,21 @@ class _Tee:
         self.failure: BaseException | None = None
         self.chunks: list[bytes] = []
         self._json = False
-        self.state: RequestState | None = None
 
     def observe(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.body":
             body = message.get("body", b"")
+            if not body:
+                return
+            self.produced += len(body)
+            if self.keep_body or (self._json and self.produced <= _JSON_LIMIT):
+                self.chunks.append(body)
             meter = self.meter
-            if body:
-                self.produced += len(body)
-                if self.keep_body or (self._json and self.produced <= _JSON_LIMIT):
-                    self.chunks.append(body)
-                if meter is not None:
-                    meter.feed(body)
-                    if self.first_event is None and meter.event_count:
-                        self.first_event = time.monotonic() - self.started
-            if meter is not None and not message.get("more_body", False):
-                state = self.state
-                if state is not None:
-                    # Before the final body reaches DisconnectMiddleware, which ends the
-                    # generation by it.
-                    state.stream_end = meter.ending
+            if meter is not None:
+                meter.feed(body)
+                if self.first_event is None and meter.event_count:
+                    self.first_event = time.monotonic() - self.started
         elif kind == "http.response.start":
             self.status_code = message["status"]
             for name, value in message.get("headers", ()):
@@ -288,7 +283,10 @@ class _Tee:
                     content_type = bytes(value).lower()
                     if content_type.startswith(b"text/event-stream"):
                         self.is_event_stream = True
-                        self.meter = StreamMeter(self.provider)
+                        meter = self.meter = StreamMeter(self.provider)
+                        if self.state is not None:
+                            # DisconnectMiddleware ends the generation by it.
+                            self.state.stream_ending = meter.ending
                     elif content_type.startswith(b"application/json"):
                         self._json = True
                     break

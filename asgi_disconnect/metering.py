@@ -127,7 +127,6 @@ class StreamMeter:
             logger.exception("metering failed; the rest of this stream is not metered")
             self._stop({"type": "meter_error", "message": "the stream could not be metered"})
 
-    @property
     def ending(self) -> str | None:
         """How the stream ended by its protocol, so far: ``"complete"`` (its terminal marker
         arrived), ``"error"`` (an error event), ``"truncated"`` (a known protocol without
