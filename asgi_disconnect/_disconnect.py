@@ -909,6 +909,8 @@ class _Exchange:
         if state.policy is not None:
             generation.policy = state.policy.value
             generation.detached = state.detached
+        # What the client has not received yet stays in memory (see Generation.release).
+        generation.reader = state
         self.generation = state.generation = generation
         self.mw.backend.register(generation)
         if message.get("trailers"):

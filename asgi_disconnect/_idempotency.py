@@ -25,11 +25,12 @@ from ._problem import problem_body, send_problem
 from ._records import Claim, ClaimState, StoredResponse
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from ._contract import ClaimStore
+    from ._log import Generation
 
 __all__ = ["IdempotencyKeyRequired", "IdempotencyMiddleware", "idempotent", "parse_key"]
 
@@ -224,11 +225,15 @@ class PendingSettles:
                     exc,
                 )
 
-    def start(self, settle: _Settle) -> None:
-        """:meth:`settle` in a task of its own, which :meth:`drain` waits for."""
-        task = asyncio.ensure_future(self.settle(settle))
+    def start(self, settle: Awaitable[_Settle]) -> None:
+        """:meth:`settle` the settle ``settle`` gives, in a task of its own, which
+        :meth:`drain` waits for."""
+        task = asyncio.ensure_future(self._settle_when(settle))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
+
+    async def _settle_when(self, settle: Awaitable[_Settle]) -> None:
+        await self.settle(await settle)
 
     async def retry_now(self, principal: str, key: str) -> None:
         """One more try for the key's pending settle, if it has one (a retry came in)."""
@@ -661,8 +666,11 @@ class IdempotencyMiddleware:
             elif kind == "http.response.body":
                 chunk = message.get("body", b"")
                 if chunk:
-                    response["chunks"].append(chunk)
                     response["size"] += len(chunk)
+                    if response["size"] <= self.max_stored:
+                        response["chunks"].append(chunk)
+                    else:
+                        response["chunks"] = None  # too large to store: kept no longer
                 if not message.get("more_body", False):
                     nonlocal settled
                     settled = True
@@ -711,7 +719,7 @@ class IdempotencyMiddleware:
                 def finished() -> None:
                     heartbeat.cancel()
                     self.pending_settles.start(
-                        self._ending(principal, key, owner, response, state, None, ttl)
+                        self._detached_ending(principal, key, owner, response, state, ttl)
                     )
 
                 state.on_finished(finished)
@@ -732,26 +740,28 @@ class IdempotencyMiddleware:
         key: str,
         owner: str,
         response: dict[str, Any],
-        state: RequestState | None,
+        generation: Generation | None,
         failure: BaseException | None,
         ttl: float,
+        chunks: list[bytes] | None = None,
     ) -> _Settle:
-        """How the claim ends: the response to store, or a release so that a retry runs."""
+        """How the claim ends: the response to store, or a release so that a retry runs.
+        ``chunks``: the body, when it is not what the client was sent (detached work)."""
         status = response["status"]
-        chunks: list[bytes] = response["chunks"]
-        generation = state.generation if state is not None else None
-        if generation is not None:
-            chunks = generation.chunks_from(0)
-            if generation.status.value != "complete":
-                status = None
+        if chunks is None:
+            chunks = response["chunks"]
+        if generation is not None and generation.status.value != "complete":
+            status = None
         keep = (
             failure is None
             and status is not None
             and status < self.store_below
+            and chunks is not None
             and sum(map(len, chunks)) <= self.max_stored
         )
         stored = None
         if keep:
+            assert chunks is not None
             stored = StoredResponse(
                 status=status,
                 headers=response["headers"],
@@ -759,6 +769,58 @@ class IdempotencyMiddleware:
                 generation_id=generation.id if generation is not None else None,
             )
         return _Settle(principal, key, owner, stored, ttl)
+
+    async def _detached_ending(
+        self,
+        principal: str,
+        key: str,
+        owner: str,
+        response: dict[str, Any],
+        state: RequestState,
+        ttl: float,
+    ) -> _Settle:
+        """How the claim of work that detached ends: its whole generation, read back from
+        the store where memory released it, is the response to store."""
+        generation = state.generation
+        chunks: list[bytes] | None = None
+        if generation is not None and generation.status.value == "complete":
+            if generation.size > self.max_stored:
+                chunks = None
+            elif not generation.base:
+                chunks = generation.chunks_from(0)
+            else:
+                chunks = await self._read_back(generation, key)
+                if sum(map(len, chunks)) != generation.size:
+                    logger.error(
+                        "generation %s read back short from the store; the idempotency "
+                        "claim %r is released, so the key runs again",
+                        generation.id,
+                        key,
+                    )
+                    chunks = None
+        return self._ending(principal, key, owner, response, generation, None, ttl, chunks)
+
+    async def _read_back(self, generation: Generation, key: str) -> list[bytes]:
+        """The generation's bytes from the store, retried with backoff while it is down
+        (as a pending settle is, for as long as the process lives)."""
+        delay = 0.05
+        failures = 0
+        while True:
+            try:
+                backend: Any = self.backend
+                return [data async for data in backend.follow(generation.id, 0)]
+            except Exception as exc:
+                failures += 1
+                if failures == 1:
+                    logger.warning(
+                        "settling the idempotency claim %r waits for the store: reading "
+                        "generation %s back failed (%s)",
+                        key,
+                        generation.id,
+                        exc,
+                    )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     async def _heartbeat(self, owner: str) -> None:
         while True:

@@ -5,17 +5,29 @@ from __future__ import annotations
 import asyncio
 import time
 from bisect import bisect_right
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._records import GenerationInfo, Status
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
 
-__all__ = ["Generation", "now"]
+__all__ = ["Generation", "Released", "now"]
 
 
 _READ_LIMIT = 1 << 20
+
+
+# What a released chunk's slot holds: its bytes are gone, its index stays.
+_RELEASED = b""
+
+
+class Released(LookupError):
+    """The bytes asked for were released from memory; the store that flushed them has them."""
+
+
+class _Reader(Protocol):
+    delivered_bytes: int
 
 
 def now() -> float:
@@ -47,6 +59,12 @@ class Generation:
     waiters: list[asyncio.Future[None]] | None = None
     # Called once when the generation ends: the store that keeps it accounts for it then.
     on_finish: Callable[[Generation], None] | None = None
+    # The request whose client reads this log as it is produced (its ``delivered_bytes``):
+    # what it has not received yet is never released.
+    reader: _Reader | None = None
+    # Chunks before ``base_index`` (bytes before ``base``) were released (see ``release``).
+    base = 0
+    base_index = 0
 
     def __init__(
         self,
@@ -123,15 +141,42 @@ class Generation:
         """The chunks from ``index`` on, as the producer appended them."""
         return self.chunks[index:]
 
+    def release(self, offset: int) -> int:
+        """Free the chunks that end at or before byte ``offset`` (a store has them, and no
+        reader in this process needs them); their slots stay, so chunk indices hold.
+        Returns the bytes freed."""
+        chunks = self.chunks
+        index = self.base_index
+        base = start = self.base
+        count = len(chunks)
+        while index < count:
+            size = len(chunks[index])
+            if base + size > offset:
+                break
+            chunks[index] = _RELEASED
+            base += size
+            index += 1
+        self.base, self.base_index = base, index
+        return base - start
+
     def read(self, offset: int, limit: int = _READ_LIMIT) -> bytes:
-        """Up to about ``limit`` bytes starting at byte ``offset``."""
+        """Up to about ``limit`` bytes starting at byte ``offset``; :class:`Released` below
+        ``base``."""
         if offset >= self.size:
             return b""
+        if offset < self.base:
+            raise Released(
+                f"bytes {offset}..{self.base} of generation {self.id} were released from "
+                "memory; read them from the store"
+            )
         ends = self._ends
         if ends is None:
             ends = self._ends = []
         if len(ends) < len(self.chunks):
             # Offsets are only needed by readers: extend them lazily, not on every append.
+            if len(ends) < self.base_index:
+                # Released chunks all end at ``base`` as far as a read is concerned.
+                ends.extend([self.base] * (self.base_index - len(ends)))
             end = ends[-1] if ends else 0
             for chunk in self.chunks[len(ends) :]:
                 end += len(chunk)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -177,10 +178,11 @@ class MeteringMiddleware:
             usage_source = "estimated"
         delivered_tokens = output_tokens
         if output_tokens is not None and delivered < produced:
-            prefix = tee.body_prefix(delivered, state)
-            delivered_text = analyze(prefix, tee.provider).text if tee.is_event_stream else ""
             # Scale the count by the share of the output text that reached the client.
-            share = len(delivered_text) / len(text) if text else delivered / max(produced, 1)
+            if text:
+                share = tee.text_chars_within(delivered) / len(text)
+            else:
+                share = delivered / max(produced, 1)
             delivered_tokens = min(output_tokens, round(output_tokens * share))
         return UsageRecord(
             **_request_fields(scope, tee, state),
@@ -233,7 +235,7 @@ class _Tee:
         "failure",
         "first_event",
         "is_event_stream",
-        "keep_body",
+        "marks",
         "meter",
         "produced",
         "provider",
@@ -248,8 +250,6 @@ class _Tee:
     ) -> None:
         self.provider = provider
         self.state = state
-        # Without DisconnectMiddleware no log keeps the body: the tee keeps it.
-        self.keep_body = state is None
         self.started_at = started_at
         self.started = started
         self.ended = started
@@ -259,7 +259,10 @@ class _Tee:
         self.produced = 0
         self.first_event: float | None = None
         self.failure: BaseException | None = None
-        self.chunks: list[bytes] = []
+        self.chunks: list[bytes] = []  # a JSON body, to read at the end
+        # An event stream's (bytes produced, characters of output text) after each chunk
+        # that added text: what share of the text a client that left early received.
+        self.marks = array("q")
         self._json = False
 
     def observe(self, message: Message) -> None:
@@ -269,13 +272,16 @@ class _Tee:
             if not body:
                 return
             self.produced += len(body)
-            if self.keep_body or (self._json and self.produced <= _JSON_LIMIT):
-                self.chunks.append(body)
             meter = self.meter
             if meter is not None:
+                chars = meter.text_chars
                 meter.feed(body)
+                if meter.text_chars != chars:
+                    self.marks.extend((self.produced, meter.text_chars))
                 if self.first_event is None and meter.event_count:
                     self.first_event = time.monotonic() - self.started
+            elif self._json and self.produced <= _JSON_LIMIT:
+                self.chunks.append(body)
         elif kind == "http.response.start":
             self.status_code = message["status"]
             for name, value in message.get("headers", ()):
@@ -298,19 +304,19 @@ class _Tee:
             return _json_report(b"".join(self.chunks), self.provider)
         return analyze(b"", self.provider)
 
-    def body_prefix(self, size: int, state: RequestState | None) -> bytes:
-        generation = state.generation if state is not None else None
-        if generation is not None:
-            parts: list[bytes] = []
-            offset = 0
-            while offset < size:
-                part = generation.read(offset, size - offset)
-                if not part:
-                    break
-                parts.append(part)
-                offset += len(part)
-            return b"".join(parts)[:size]
-        return b"".join(self.chunks)[:size]
+    def text_chars_within(self, size: int) -> int:
+        """Characters of output text in the events that ended within the first ``size``
+        bytes, to the chunk: delivery stops between chunks, except inside a body over
+        1 MiB, where the text of that chunk counts as not delivered."""
+        marks = self.marks
+        low, high = 0, len(marks) // 2
+        while low < high:  # the first mark past ``size``
+            middle = (low + high) // 2
+            if marks[2 * middle] <= size:
+                low = middle + 1
+            else:
+                high = middle
+        return marks[2 * low - 1] if low else 0
 
 
 def _json_report(body: bytes, provider: str | None) -> Any:

@@ -82,12 +82,15 @@ class StreamMeter:
 
     __slots__ = (
         "_adapter",
+        "_block",
         "_decoder",
         "_detections_left",
         "_first_offset",
+        "_seen",
         "_state",
         "_stopped",
         "event_count",
+        "text_chars",
     )
 
     def __init__(self, provider: str | None = None, *, max_event_bytes: int = 4 << 20) -> None:
@@ -100,6 +103,11 @@ class StreamMeter:
         self._first_offset: int | None = None
         self._stopped = False
         self.event_count = 0
+        # The output text's length so far, in characters; the text pieces counted in it;
+        # the pieces before ``_block`` are joined blocks (see ``_count_text``).
+        self.text_chars = 0
+        self._seen = 0
+        self._block = 0
 
     @property
     def provider_format(self) -> str | None:
@@ -120,12 +128,27 @@ class StreamMeter:
             if events:
                 self.event_count += len(events)
                 self._read(events)
+                if len(self._state.text) != self._seen:
+                    self._count_text()
         except SSEDecodeError as exc:
             self._stop({"type": "sse_decode_error", "message": str(exc)})
         except Exception:
             # A meter must not break the response it measures.
             logger.exception("metering failed; the rest of this stream is not metered")
             self._stop({"type": "meter_error", "message": "the stream could not be metered"})
+
+    def _count_text(self) -> None:
+        """Count the new text pieces; join every 64 into one block, so a long stream of
+        small deltas keeps its text, not an object per delta."""
+        text = self._state.text
+        seen = self._seen
+        count = len(text)
+        self.text_chars += len(text[seen]) if count == seen + 1 else sum(map(len, text[seen:]))
+        block = self._block
+        if count - block >= 64:
+            text[block:] = ["".join(text[block:])]
+            count = self._block = block + 1
+        self._seen = count
 
     def ending(self) -> str | None:
         """How the stream ended by its protocol, so far: ``"complete"`` (its terminal marker
@@ -141,8 +164,11 @@ class StreamMeter:
     def report(self) -> StreamReport:
         """What the stream said so far (call it when the stream has ended)."""
         state = self._state
+        if len(state.text) != self._seen:
+            self._count_text()
         text = "".join(state.text)
         state.text = [text] if text else []
+        self._seen = self._block = len(state.text)
         figures = (
             state.input_tokens,
             state.output_tokens,

@@ -44,7 +44,8 @@ class FlushBatch:
     # (id, status, size, error, finished_at)
     finished: list[tuple[str, str, int, str | None, float]] = field(default_factory=list)
     # (generation_id, principal, route, outcome, input_tokens, output_tokens, usage_source,
-    #  the whole record as JSON)
+    #  the whole record as JSON, request id): a flush that may have committed is sent again,
+    #  and the request id keeps its record once
     usage: list[UsageRow] = field(default_factory=list)
 
     def __bool__(self) -> bool:
@@ -57,7 +58,7 @@ class FlushBatch:
         return ids
 
 
-UsageRow = tuple[str | None, str | None, str, str, int | None, int | None, str, bytes]
+UsageRow = tuple[str | None, str | None, str, str, int | None, int | None, str, bytes, str]
 
 
 def usage_row(record: UsageRecord) -> UsageRow:
@@ -70,6 +71,8 @@ def usage_row(record: UsageRecord) -> UsageRow:
         record.output_tokens,
         record.usage_source,
         msgspec.json.encode(record),
+        # One record per request: its generation id, or (metering alone) an id of its own.
+        record.generation_id or "req_" + secrets.token_hex(12),
     )
 
 
@@ -255,6 +258,7 @@ class DurableBackend:
         sweep_interval: float = 5.0,
         ttl: float = 24 * 3600.0,
         reap_interval: float = 60.0,
+        max_pending_usage: int = 100_000,
     ) -> None:
         if not 0 < flush_interval <= 5:
             raise ValueError("flush_interval must be in (0, 5] seconds")
@@ -262,8 +266,12 @@ class DurableBackend:
             raise ValueError("flush_max_bytes must be positive")
         if lease <= 3 * flush_interval:
             raise ValueError("lease must be longer than three flush intervals")
-        if ttl <= 0 or sweep_interval <= 0 or reap_interval <= 0:
-            raise ValueError("ttl, sweep_interval and reap_interval must be positive")
+        if ttl <= 0 or sweep_interval <= 0 or reap_interval <= 0 or max_pending_usage <= 0:
+            raise ValueError(
+                "ttl, sweep_interval, reap_interval and max_pending_usage must be positive"
+            )
+        self.max_pending_usage = max_pending_usage
+        self.usage_dropped = 0
         self.store = store
         self.url = store.url
         self.flush_interval = flush_interval
@@ -348,8 +356,30 @@ class DurableBackend:
         await self.aclose()
 
     def record_usage(self, record: UsageRecord) -> None:
-        """A usage sink: the record is written with the next flush."""
+        """A usage sink: the record is written with the next flush. While the store is
+        down, at most ``max_pending_usage`` records wait in memory; past that the oldest
+        are dropped (``usage_dropped`` counts them, and an error says so)."""
         self._usage.append(usage_row(record))
+        if len(self._usage) > self.max_pending_usage:
+            self._drop_usage()
+
+    def _drop_usage(self) -> None:
+        over = len(self._usage) - self.max_pending_usage
+        if over <= 0:
+            return
+        del self._usage[:over]
+        if (
+            not self.usage_dropped
+            or self.usage_dropped // 1000 < (self.usage_dropped + over) // 1000
+        ):
+            logger.error(
+                "%s is unreachable and %d usage records wait in memory: dropped the oldest "
+                "(%d so far); they are still in every other sink",
+                self.url,
+                self.max_pending_usage,
+                self.usage_dropped + over,
+            )
+        self.usage_dropped += over
 
     async def usage_of(self, generation_id: str) -> list[UsageRecord]:
         """The usage records stored for a generation (normally one)."""
@@ -458,6 +488,7 @@ class DurableBackend:
                     await self.store.flush(batch)
                 except BaseException:
                     self._usage[:0] = usage
+                    self._drop_usage()
                     self._unsure(batch)
                     raise
                 self._committed(batch, done)
@@ -547,6 +578,7 @@ class DurableBackend:
                 tracked.chunks += count
                 tracked.size = end
                 tracked.unsure = []
+                _release(tracked.generation, end)
         for generation_id, policy, detached in batch.changed:
             tracked = self._live.get(generation_id)
             if tracked is not None:
@@ -583,10 +615,25 @@ class DurableBackend:
     async def follow(self, generation_id: str, offset: int) -> AsyncIterator[bytes]:
         tracked = self._live.get(generation_id)
         if tracked is not None:
-            # Produced here: read the live log, which is ahead of the database.
-            async for data in tracked.generation.follow(offset):
-                yield data
-            return
+            # Produced here: read the live log, which is ahead of the database; what it
+            # released is in the database.
+            generation = tracked.generation
+            while True:
+                if offset < generation.base:
+                    data = await self.store.read(generation_id, offset, 1 << 20)
+                    if not data:
+                        raise BackendUnavailable(
+                            f"{self.url} lost bytes {offset}.. of generation {generation_id}"
+                        )
+                else:
+                    data = generation.read(offset)
+                if data:
+                    offset += len(data)
+                    yield data
+                    continue
+                if not generation.running:
+                    return
+                await generation.changed()
         await self._ensure_open()
         entry = self._tails.get(generation_id)
         if entry is None or entry[0].error is not None:
@@ -698,6 +745,16 @@ class DurableBackend:
     def pending_bytes(self) -> int:
         """Bytes produced in this process and not yet durable."""
         return sum(t.generation.size - t.size for t in self._live.values())
+
+
+def _release(generation: Generation, durable: int) -> None:
+    """Free what is durable and what the request's own client no longer needs: readers
+    behind it read the store. A detached generation's client is gone."""
+    reader = generation.reader
+    if reader is not None and not generation.detached:
+        durable = min(durable, reader.delivered_bytes)
+    if durable > generation.base:
+        generation.release(durable)
 
 
 def _log_open_failure(task: asyncio.Task[None]) -> None:

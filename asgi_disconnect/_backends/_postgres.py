@@ -334,7 +334,7 @@ class PostgresStore:
                 )
             if batch.usage:
                 await conn.executemany(
-                    sql["usage"], [(*row[:7], row[7].decode()) for row in batch.usage]
+                    sql["usage"], [(*row[:7], row[7].decode(), row[8]) for row in batch.usage]
                 )
             if batch.finished:
                 await conn.execute(
@@ -489,9 +489,12 @@ create table if not exists {t}usage (
     output_tokens integer,
     usage_source text not null,
     recorded_at timestamptz not null default now(),
-    record jsonb not null
+    record jsonb not null,
+    request_id text
 );
 create index if not exists asgi_disconnect_usage_generation on {t}usage (generation_id);
+alter table {t}usage add column if not exists request_id text;
+create unique index if not exists asgi_disconnect_usage_request on {t}usage (request_id);
 create table if not exists {t}claims (
     principal text not null,
     key text not null,
@@ -563,8 +566,9 @@ def _statements(t: str) -> dict[str, str]:
             returning id""",
         "usage": f"""
             insert into {t}usage (generation_id, principal, route, outcome, input_tokens,
-                                  output_tokens, usage_source, record)
-            values ($1, $2, $3, $4, $5, $6, $7, $8::jsonb)""",
+                                  output_tokens, usage_source, record, request_id)
+            values ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9)
+            on conflict (request_id) do nothing""",
         "claim": f"""
             insert into {t}claims
                 (principal, key, fingerprint, owner, process, status, lease_until, expires_at)

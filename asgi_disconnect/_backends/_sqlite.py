@@ -67,7 +67,8 @@ create table if not exists asgi_disconnect_usage (
     output_tokens integer,
     usage_source text not null,
     recorded_at real not null,
-    record text not null
+    record text not null,
+    request_id text
 );
 create index if not exists asgi_disconnect_usage_generation
     on asgi_disconnect_usage (generation_id);
@@ -221,6 +222,14 @@ class SQLiteStore:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
+            columns = {row[1] for row in db.execute("pragma table_info(asgi_disconnect_usage)")}
+            if "request_id" not in columns:
+                # A table made before usage rows had a request id: add it, in place.
+                db.execute("alter table asgi_disconnect_usage add column request_id text")
+            db.execute(
+                "create unique index if not exists asgi_disconnect_usage_request "
+                "on asgi_disconnect_usage (request_id)"
+            )
             row = db.execute(
                 "select value from asgi_disconnect_meta where key = 'schema_version'"
             ).fetchone()
@@ -548,9 +557,9 @@ def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:
     if batch.usage:
         db.executemany(
             "insert into asgi_disconnect_usage (generation_id, principal, route, outcome, "
-            "input_tokens, output_tokens, usage_source, record, recorded_at) "
-            f"values (?, ?, ?, ?, ?, ?, ?, ?, {_NOW})",
-            [(*row[:7], row[7].decode()) for row in batch.usage],
+            "input_tokens, output_tokens, usage_source, record, request_id, recorded_at) "
+            f"values (?, ?, ?, ?, ?, ?, ?, ?, ?, {_NOW}) on conflict (request_id) do nothing",
+            [(*row[:7], row[7].decode(), row[8]) for row in batch.usage],
         )
     if batch.finished:
         # Fenced by the owner token: a generation swept as interrupted stays so.

@@ -11,7 +11,7 @@ import anyio
 import asyncpg
 import pytest
 
-from asgi_disconnect import BackendUnavailable, DisconnectMiddleware, connect
+from asgi_disconnect import BackendUnavailable, DisconnectMiddleware, UsageRecord, connect
 from asgi_disconnect._backends import Backend, DurableBackend
 from asgi_disconnect._log import Generation, Status
 from asgi_disconnect.testing import drive
@@ -96,7 +96,8 @@ async def test_another_process_reads_and_follows_live(
         async with asyncio.timeout(10):
             followed = await read_all(reader, GID, 2)
         await producer
-        assert followed == generation.read(0)[2:]
+        whole = b"first;" + b"".join(b"chunk %d;" % i for i in range(20))
+        assert followed == whole[2:]
         info = await reader.get(GID)
         assert info is not None
         assert info.status is Status.COMPLETE
@@ -209,6 +210,8 @@ async def test_a_flush_whose_outcome_is_unknown_loses_nothing_and_writes_nothing
         generation.append(b"one;")
         await settle(writer)
         generation.append(b"two;")
+        record = usage_record(GID)
+        writer.record_usage(record)
         await fault(writer)  # type: ignore[operator]
         generation.append(b"three;")
         await fault(writer)  # type: ignore[operator]
@@ -221,6 +224,8 @@ async def test_a_flush_whose_outcome_is_unknown_loses_nothing_and_writes_nothing
         assert info.size == len(b"one;two;three;four;")
         assert await read_all(reader, GID) == b"one;two;three;four;"
         assert await read_all(reader, GID, 5) == b"wo;three;four;"
+        # Its usage record went with two flushes that may have committed: stored once.
+        assert await reader.usage_of(GID) == [record]
     finally:
         await writer.aclose()
         await reader.aclose()
@@ -447,9 +452,79 @@ async def test_resume_far_past_the_durable_size_is_416_at_once(sqlite_url: str) 
         await reader.aclose()
 
 
-async def test_usage_records_are_stored(backend_url: str) -> None:
-    from asgi_disconnect import UsageRecord
+def usage_record(generation_id: str | None) -> UsageRecord:
+    return UsageRecord(
+        generation_id=generation_id,
+        principal="alice",
+        method="POST",
+        route="/v1/chat",
+        status_code=200,
+        provider="openai_chat",
+        model="m",
+        outcome="cancelled",
+        input_tokens=12,
+        output_tokens=30,
+        usage_source="estimated",
+        produced_bytes=900,
+        delivered_bytes=700,
+        produced_output_tokens=30,
+        delivered_output_tokens=23,
+        time_to_first_event=0.1,
+        duration=1.5,
+        finish_reason=None,
+        error_type=None,
+        started_at=1.0,
+    )
 
+
+async def test_usage_records_waiting_for_the_store_are_bounded(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = durable(sqlite_url, flush_interval=5.0, lease=30.0, max_pending_usage=10)
+    await backend.open()
+    try:
+        records = [usage_record(f"gen_{n:024d}") for n in range(25)]
+        for record in records[:20]:
+            backend.record_usage(record)
+        await failed_before_commit(backend)
+        for record in records[20:]:
+            backend.record_usage(record)
+        assert backend.usage_dropped == 15
+        assert any("dropped the oldest" in r.getMessage() for r in caplog.records)
+        await settle(backend)
+        assert await backend.usage_of(records[14].generation_id) == []  # type: ignore[arg-type]
+        assert await backend.usage_of(records[15].generation_id) == [records[15]]  # type: ignore[arg-type]
+        assert await backend.usage_of(records[24].generation_id) == [records[24]]  # type: ignore[arg-type]
+    finally:
+        await backend.aclose()
+
+
+async def test_a_usage_table_from_before_request_ids_gets_the_column(sqlite_url: str) -> None:
+    import sqlite3
+
+    path = sqlite_url.removeprefix("sqlite:///")
+    backend = durable(sqlite_url)
+    await backend.open()
+    await backend.aclose()
+    db = sqlite3.connect(path)
+    db.execute("drop index asgi_disconnect_usage_request")
+    db.execute("alter table asgi_disconnect_usage drop column request_id")
+    db.commit()
+    db.close()
+    backend = durable(sqlite_url)
+    await backend.open()
+    try:
+        record = usage_record(GID)
+        backend.record_usage(record)
+        await settle(backend)
+        backend.record_usage(record)  # the same request's record again: kept once
+        await settle(backend)
+        assert await backend.usage_of(GID) == [record]
+    finally:
+        await backend.aclose()
+
+
+async def test_usage_records_are_stored(backend_url: str) -> None:
     backend = connect(backend_url)
     await backend.open()
     try:

@@ -97,7 +97,7 @@ async def test_tails_of_one_generation_share_one_poller(
         await settle(writer)
         await asyncio.gather(*(tail.task for tail in tails))
     intervals = (loop.time() - started) / POLL + 1
-    body = generation.read(0)
+    body = b"".join(b"data: %d\n\n" % n for n in range(changes + 1))
     assert all(tail.body == body[tail.offset :] for tail in tails)
     # Per poll interval, and per change: a few statements, not two per reader (600 here).
     # Each reader's first read, from its own offset, is its own.
@@ -151,7 +151,8 @@ async def test_a_reader_that_joins_late_or_lags_gets_every_byte(
         generation.finish(Status.COMPLETE)
         await settle(writer)
         await asyncio.gather(early.task, late.task)
-    body = generation.read(0)
+    body = b"".join(b"%d;" % n * (n + 1) for n in range(50))
+    assert len(body) == generation.size
     assert early.body == body
     assert late.body == body[7:]
 
@@ -221,7 +222,8 @@ async def test_readers_of_one_generation_query_the_store_once_per_change(
             generation.finish(Status.COMPLETE)
             await settle(writer)
             await asyncio.gather(*(tail.task for tail in tails))
-        assert all(tail.body == generation.read(0) for tail in tails)
+        body = b"".join(b"data: %d\n\n" % n for n in range(changes + 1))
+        assert all(tail.body == body for tail in tails)
         # Each reader's first read is its own; after that, a few calls per change, shared.
         # (Per reader, it was one info and one read each poll: thousands here.)
         assert calls["read"] <= len(tails) + 2 * (changes + 2)
