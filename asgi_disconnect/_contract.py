@@ -193,6 +193,10 @@ class RequestState:
             return
         self._finalizers = None
         self.ending = ending
+        generation = self.generation
+        if generation is not None:
+            # Its client reads no more; and no cycle outlives the request.
+            generation.reader = None
         for callback in callbacks:
             _call(callback)
 

@@ -4,7 +4,8 @@ with ``install()``.
 Both apps relay ``POST /v1/chat/completions`` to ``LOAD_UPSTREAM`` with one shared httpx
 client, passing on ``x-fake-*`` headers, and answer ``GET /stats`` with what the benchmark
 reads from the server: relays in flight, and (wrapped) the usage records a counting sink saw.
-``LOAD_BACKEND`` is the wrapped app's backend URL.
+``LOAD_BACKEND`` is the wrapped app's backend URL, ``LOAD_FLUSH_INTERVAL`` a durable
+backend's ``flush_interval``.
 
     uvicorn --factory benchmarks._gateway:bare_app
     uvicorn --factory benchmarks._gateway:wrapped_app
@@ -115,9 +116,13 @@ def wrapped_app() -> Starlette:
         stats.record_output_tokens += record.output_tokens or 0
         stats.record_delivered_tokens += record.delivered_output_tokens or 0
 
+    url = os.environ.get("LOAD_BACKEND", "memory://")
+    options: dict[str, float] = {}
+    if os.environ.get("LOAD_FLUSH_INTERVAL") and not url.startswith("memory:"):
+        options["flush_interval"] = float(os.environ["LOAD_FLUSH_INTERVAL"])
     install(
         app,
-        backend=connect(os.environ.get("LOAD_BACKEND", "memory://")),
+        backend=connect(url, **options),
         sinks=[count],
         exclude_paths=[r"/stats$"],
     )

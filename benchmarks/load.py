@@ -2,16 +2,17 @@
 
 A Starlette gateway (`benchmarks._gateway`) relays ``POST /v1/chat/completions`` from a
 FakeProvider with httpx. The same app runs bare (no asgi_disconnect) and with ``install()``
-on each backend asked for (``--backend memory sqlite postgres``), each in a uvicorn process of
-its own (one worker, h11, asyncio). For each level of concurrency (``--levels 100 500 1000``)
-and each contender in turn (the order rotates between levels), N clients open their streams
-within ``--ramp`` seconds: 20% disconnect mid-stream, 5% stall (stop reading with the socket
-open and a small receive buffer, and close after ``--stall-seconds``), the rest read to the
-end. Streams are ``--seconds`` long (default 10) and about ``--kb`` KB (default 49, the
-figures of the issue), paced by the provider. The same seed gives every contender the same
-clients, disconnecting and stalling at the same moments. A stream of 49 KB fits in the
-socket buffers of a stalled client and the server, so a stall usually goes unnoticed by the
-server: its record says ``complete`` unless the client closes before the stream ends.
+on each backend asked for (``--backend memory sqlite postgres``), each in a fresh uvicorn
+process per level (one worker, h11, asyncio). For each level of concurrency (``--levels 100
+500 1000``) and each contender in turn (the order rotates between levels), N clients open
+their streams within ``--ramp`` seconds: 20% disconnect mid-stream, 5% stall (stop reading
+with the socket open and a small receive buffer, and close after ``--stall-seconds``), the
+rest read to the end. Streams are ``--seconds`` long (default 10) and about ``--kb`` KB
+(default 49, the figures of the issue), paced by the provider. The same seed gives every
+contender the same clients, disconnecting and stalling at the same moments. A stream of 49
+KB fits in the socket buffers of a stalled client and the server, so a stall usually goes
+unnoticed by the server: its record says ``complete`` unless the client closes before the
+stream ends.
 
 Per contender and level it prints:
 
@@ -22,8 +23,9 @@ Per contender and level it prints:
 - TTFB p50 / p99: from sending the request to the first body byte, at the client;
 - CPU/stream: the server process's user + system CPU (``/proc/PID/stat``) from the start of
   the level until every upstream call ended and every record was emitted, per stream;
-- RSS: the server's resident memory before the level (idle), its peak (sampled every 50 ms)
-  and after the level settled; per stream: (peak - idle) / N;
+- RSS: the server's resident memory before the level (idle, a fresh process after one
+  warm-up request), its peak (sampled every 50 ms) and after the level settled; per stream:
+  (peak - idle) / N;
 - billed / delivered: tokens FakeProvider sent upstream (``tokens_sent``) against tokens
   the clients received;
 - reached p50 / p99: from sending the request to its arrival at the provider (the
@@ -403,6 +405,9 @@ def main() -> None:
     )
     parser.add_argument("--ramp", type=float, default=1.0, help="seconds to open all streams")
     parser.add_argument("--settle", type=float, default=30.0, help="seconds to wait after")
+    parser.add_argument(
+        "--flush-interval", type=float, help="a durable backend's flush_interval (default 0.05)"
+    )
     parser.add_argument("--pg-dsn", default=PG_DSN)
     parser.add_argument("--json", type=Path, help="also write the results there")
     parser.add_argument("--verbose", action="store_true", help="usage record outcomes")
@@ -428,29 +433,22 @@ def main() -> None:
             FakeProvider(tokens=tokens, tokens_per_second=tokens / args.seconds)
         )
         env = {"LOAD_UPSTREAM": provider.url}
-        servers = [
-            stack.enter_context(
-                serve("bare", "benchmarks._gateway:bare_app", env, workdir / "bare.log")
-            )
-        ]
+        if args.flush_interval is not None:
+            env["LOAD_FLUSH_INTERVAL"] = str(args.flush_interval)
+        contenders = [("bare", "benchmarks._gateway:bare_app", env)]
         for name in args.backend:
-            servers.append(
-                stack.enter_context(
-                    serve(
-                        name,
-                        "benchmarks._gateway:wrapped_app",
-                        {**env, "LOAD_BACKEND": backends[name]},
-                        workdir / f"{name}.log",
-                    )
-                )
+            contenders.append(
+                (name, "benchmarks._gateway:wrapped_app", {**env, "LOAD_BACKEND": backends[name]})
             )
-        for server in servers:
-            warm_up(server)
         for index, level in enumerate(args.levels):
-            shift = index % len(servers)
-            for server in servers[shift:] + servers[:shift]:
-                print(f"{server.name:8} {level:5} streams ...", end=" ", flush=True)
-                result = run_level(server, provider, level, args)
+            shift = index % len(contenders)
+            for name, app, app_env in contenders[shift:] + contenders[:shift]:
+                # A process of its own per level: its idle RSS is a fresh one's, so the
+                # peak above it is this level's alone.
+                with serve(name, app, app_env, workdir / f"{name}-{level}.log") as server:
+                    warm_up(server)
+                    print(f"{server.name:8} {level:5} streams ...", end=" ", flush=True)
+                    result = run_level(server, provider, level, args)
                 results.append(result)
                 print(
                     f"completed {result.completed}/{result.meant_to_complete}, "

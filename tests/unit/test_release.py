@@ -182,3 +182,99 @@ async def test_detached_work_is_released_resumed_whole_and_replayed_whole(
     assert len(records) == 1
     assert records[0].outcome == "complete"
     assert records[0].delivered_bytes < len(whole)
+
+
+class Gate:
+    """Where every stream waits, and how many arrived."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.arrived = 0
+
+    async def wait(self) -> None:
+        self.arrived += 1
+        await self.open.wait()
+
+
+async def held_per_stream(app: Starlette, streams: int, gate: Gate) -> int:
+    """Bytes allocated and still held per stream while ``streams`` wait at ``gate``."""
+    import gc
+    import tracemalloc
+
+    async def one() -> None:
+        finished = asyncio.Event()
+        first = True
+
+        async def receive() -> dict[str, object]:
+            nonlocal first
+            if first:
+                first = False
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await finished.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            pass  # a client that keeps up and keeps nothing
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "GET",
+            "scheme": "http",
+            "path": "/stream",
+            "raw_path": b"/stream",
+            "root_path": "",
+            "query_string": b"",
+            "headers": [(b"authorization", b"Bearer alice")],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+        }
+        await app(scope, receive, send)
+        finished.set()
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        tasks = [asyncio.ensure_future(one()) for _ in range(streams)]
+        await eventually(lambda: gate.arrived >= streams)
+        await asyncio.sleep(0.3)  # a few flush intervals
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+        gate.open.set()
+    await asyncio.gather(*tasks)
+    held = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    return held // streams
+
+
+def gated_app(gate: Gate) -> Starlette:
+    async def stream(request: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            for n in range(200):
+                if n == 180:
+                    await gate.wait()
+                yield b"data: " + b"z" * 1000 + b"%04d\n\n" % n  # new bytes each time
+                await asyncio.sleep(0)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/stream", stream)])
+
+
+async def test_a_running_stream_holds_little_beyond_what_the_bare_app_holds(
+    tmp_path: Path,
+) -> None:
+    """Through install() on SQLite, 40 streams of 200 KB paused at 90%: what each holds
+    beyond the bare app is its requests' state, not its output (180 KB by then)."""
+    gate = Gate()
+    bare = await held_per_stream(gated_app(gate), 40, gate)
+    gate = Gate()
+    app = gated_app(gate)
+    install(app, backend=connect(f"sqlite:///{tmp_path}/g.db", flush_interval=0.02))
+    async with lifespan(app):
+        wrapped = await held_per_stream(app, 40, gate)
+    assert wrapped - bare < 40 * KIB, (bare, wrapped)
