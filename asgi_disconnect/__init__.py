@@ -19,7 +19,7 @@ from ._contract import (
 from ._disconnect import DisconnectMiddleware
 from ._errors import AsgiDisconnectError
 from ._idempotency import IdempotencyKeyRequired, IdempotencyMiddleware, idempotent
-from ._metering import MeteringMiddleware, estimate_tokens
+from ._metering import MeteringMiddleware, estimate_tokens, metered
 from ._policy import Policy, disconnect_policy
 from ._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
 
@@ -57,6 +57,7 @@ __all__ = [
     "estimate_tokens",
     "idempotent",
     "install",
+    "metered",
     "once",
 ]
 

@@ -49,6 +49,7 @@ class StreamState:
         "reasoning_tokens",
         "terminal",
         "text",
+        "text_chars",
     )
 
     def __init__(self, provider_format: str | None = None) -> None:
@@ -64,6 +65,7 @@ class StreamState:
         self.finish_reason: str | None = None
         self.model: str | None = None
         self.text: list[str] = []
+        self.text_chars = 0  # the characters in ``text``, kept as pieces are added
 
     def set_error(self, error: Any, data: str) -> None:
         """Record an error object; the first one is the cause, later ones are consequences."""
@@ -178,6 +180,7 @@ def openai_chat(state: StreamState, event: ServerSentEvent) -> None:
             delta = choice.delta
             if delta is not None and delta.content:
                 state.text.append(delta.content)
+                state.text_chars += len(delta.content)
             if choice.finish_reason:
                 state.finish_reason = choice.finish_reason
     usage = chunk.usage
@@ -259,6 +262,7 @@ def openai_responses(state: StreamState, event: ServerSentEvent) -> None:
             return
         if delta:
             state.text.append(delta)
+            state.text_chars += len(delta)
     elif kind in _RESPONSES_TERMINAL:
         state.terminal = True
         lifecycle = _decoded(_RESPONSES_LIFECYCLE, state, data)
@@ -357,6 +361,7 @@ def anthropic_messages(state: StreamState, event: ServerSentEvent) -> None:
         delta = message.delta
         if delta is not None and delta.type == "text_delta" and delta.text:
             state.text.append(delta.text)
+            state.text_chars += len(delta.text)
     elif kind == "message_start":
         start = message.message
         if start is not None:
@@ -444,6 +449,7 @@ def gemini(state: StreamState, event: ServerSentEvent) -> None:
             for part in content.parts:
                 if part.text and not part.thought:
                     state.text.append(part.text)
+                    state.text_chars += len(part.text)
         if candidate.finish_reason:
             state.finish_reason = candidate.finish_reason
             state.terminal = True

@@ -27,6 +27,11 @@ field                  written by
                        says how it ended by its protocol (``complete``, ``error``,
                        ``truncated``; None unknown), asked when the final body arrives
 ``upstreams``          the upstream helpers (``asgi_disconnect.upstream``)
+``app_send``           DisconnectMiddleware, before the app runs: the send it gives
+                       the app
+``observe``            MeteringMiddleware, when the send it was given is ``app_send``
+                       (nothing in between): called with each message the app sends,
+                       before DisconnectMiddleware handles it, instead of a wrapped send
 =====================  ======================================================
 
 No middleware imports another; the stores import only this module and the records.
@@ -132,6 +137,7 @@ class RequestState:
     __slots__ = (
         "_disconnected",
         "_finalizers",
+        "app_send",
         "delivered_bytes",
         "detached",
         "disconnect_reason",
@@ -139,6 +145,7 @@ class RequestState:
         "generation",
         "generation_id",
         "handled",
+        "observe",
         "policy",
         "principal",
         "stream_ending",
@@ -160,6 +167,8 @@ class RequestState:
         self.handled = False
         self.upstreams: list[Closable] = []
         self._finalizers: list[Callable[[], object]] | None = []
+        self.app_send: Callable[[Any], Awaitable[None]] | None = None
+        self.observe: Callable[[Any], None] | None = None
 
     @property
     def disconnected(self) -> asyncio.Event:

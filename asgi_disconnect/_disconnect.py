@@ -309,6 +309,7 @@ class _Exchange:
         "inbox_waiter",
         "interrupt_reason",
         "mw",
+        "observe",
         "receive",
         "request_task",
         "scope",
@@ -357,6 +358,8 @@ class _Exchange:
         self.watcher: asyncio.Task[Any] | None = None
         self.cancelled_by_policy = False
         self.interrupt_reason = "interrupted before it finished"
+        # Metering's observer (RequestState.observe), taken at the response start.
+        self.observe: Callable[[Message], None] | None = None
 
     # -- how it ended: one mapping for every path -------------------------------------
 
@@ -474,7 +477,8 @@ class _Exchange:
     async def run_inline(self) -> None:
         state = self.state
         current_state.set(state)
-        app: Any = self.mw.app(self.scope, self.app_receive, self.app_send)
+        send = state.app_send = self.app_send
+        app: Any = self.mw.app(self.scope, self.app_receive, send)
         if type(app) is not _COROUTINE:  # an awaitable that is not a coroutine
             app = as_coroutine(app)
         failure: BaseException | None = None
@@ -721,9 +725,11 @@ class _Exchange:
     # -- the app task ---------------------------------------------------------------
 
     async def run_app(self) -> None:
-        current_state.set(self.state)
+        state = self.state
+        current_state.set(state)
+        send = state.app_send = self.app_send
         try:
-            await self.mw.app(self.scope, self.app_receive, self.app_send)
+            await self.mw.app(self.scope, self.app_receive, send)
         except asyncio.CancelledError as exc:
             self.app_ended(exc)
             raise
@@ -759,6 +765,9 @@ class _Exchange:
 
     async def app_send(self, message: Message) -> None:
         kind = message["type"]
+        observe = self.observe
+        if observe is not None:
+            observe(message)
         if kind == "http.response.body":
             body = message.get("body", b"")
             size = len(body)
@@ -844,6 +853,11 @@ class _Exchange:
             else:
                 await self._send_whole(message, len(body))
         elif kind == "http.response.start":
+            observe = self.state.observe
+            if observe is not None:
+                observe(message)
+                # It may step aside now: a response it does not meter.
+                self.observe = self.state.observe
             message = self._start(message)
             if self.client_gone:
                 return

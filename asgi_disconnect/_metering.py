@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
-from array import array
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
+from ._adapters import FORMATS
 from ._aio import shielded
 from ._contract import RequestState, Reservations, UsageSink
 from ._lifecycle import lifecycle_of
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MeteringMiddleware",
+    "metered",
     "Reservations",
     "UsageRecord",
     "UsageSink",
@@ -42,6 +45,41 @@ def estimate_tokens(text: str) -> int:
     ``tokenizer=`` to :class:`MeteringMiddleware` for better figures.
     """
     return 0 if not text else max(1, round(len(text) / 4))
+
+
+METERED_ATTRIBUTE = "__asgi_disconnect_metered__"
+
+_E = TypeVar("_E", bound=Callable[..., Any])
+
+
+def metered(provider: str | bool | None = None) -> Callable[[_E], _E]:
+    """Say whether an endpoint's requests get a usage record.
+
+    ``@metered()`` (or ``@metered("anthropic_messages")``, naming the wire format): every
+    request gets exactly one record, whatever its response was. ``@metered(False)``: none,
+    and metering costs the route nothing past its response start. An endpoint without the
+    decorator is metered when its response is an event stream or a JSON response of an LLM
+    API (an OpenAI, Anthropic or Gemini shape, or a ``usage`` object), when it failed or was
+    cancelled before its response started, or when a reservation was made for it.
+    """
+    if provider is not None and not isinstance(provider, bool) and provider not in FORMATS:
+        raise ValueError(f"provider must be one of {', '.join(FORMATS)}, True, False or None")
+    mark: str | bool = True if provider is None else provider
+
+    def decorate(endpoint: _E) -> _E:
+        setattr(endpoint, METERED_ATTRIBUTE, mark)
+        return endpoint
+
+    return decorate
+
+
+def _route_mark(scope: Scope) -> str | bool | None:
+    """What ``@metered`` says of the routed endpoint, if routing has happened."""
+    endpoint = scope.get("endpoint")
+    mark = getattr(endpoint, METERED_ATTRIBUTE, None)
+    if mark is None:
+        mark = getattr(getattr(scope.get("route"), "endpoint", None), METERED_ATTRIBUTE, None)
+    return mark
 
 
 class MeteringMiddleware:
@@ -69,7 +107,10 @@ class MeteringMiddleware:
         self.reservations = reservations
         self.tokenizer = tokenizer
         self.records = 0
-        self._emitting: set[asyncio.Task[None]] = set()
+        # Emissions that wait on something (a reservation, an async sink, a long text),
+        # in order, for one task.
+        self._jobs: deque[Awaitable[None]] = deque()
+        self._emitter: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -82,7 +123,7 @@ class MeteringMiddleware:
         if not isinstance(state, RequestState):
             state = None
         provider = self.provider(scope) if callable(self.provider) else self.provider
-        tee = _Tee(provider, time.time(), time.monotonic(), state)
+        tee = _Tee(scope, provider, time.time(), time.monotonic(), state)
         reservation: Any = None
         if self.reservations is not None:
             try:
@@ -90,13 +131,20 @@ class MeteringMiddleware:
             except Exception:
                 logger.exception("reserve() failed; the request runs without a reservation")
 
-        async def metered_send(message: Message) -> None:
-            tee.observe(message)
-            await send(message)
+        if state is not None and send is state.app_send:
+            # DisconnectMiddleware is right outside: it shows us each message the app
+            # sends, so the app gets its send as it is, not one more coroutine per chunk.
+            state.observe = tee.observe
+            app_send = send
+        else:
+
+            async def app_send(message: Message) -> None:
+                tee.observe(message)
+                await send(message)
 
         failure: BaseException | None = None
         try:
-            await self.app(scope, receive, metered_send)
+            await self.app(scope, receive, app_send)
         except BaseException as exc:
             failure = exc
             raise
@@ -106,21 +154,61 @@ class MeteringMiddleware:
             if state is not None:
                 # The exchange may still be delivering: record when it is over.
                 exchange = state
-                state.on_finished(
-                    lambda: self._spawn(self._emit(scope, tee, exchange, reservation))
-                )
+                state.on_finished(lambda: self._finished(scope, tee, exchange, reservation))
             else:
                 await shielded(self._emit(scope, tee, None, reservation))
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._emitting.add(task)
-        task.add_done_callback(self._emitting.discard)
+    def _finished(
+        self, scope: Scope, tee: _Tee, state: RequestState, reservation: Any
+    ) -> None:
+        """The exchange is over: emit its record now when nothing in it waits (no
+        reservation to settle, a short text to count, sinks that return nothing), else
+        queue the emission for the one emitter task."""
+        if self.reservations is not None or tee.text_bound() > _OFF_LOOP_TEXT:
+            self._queue(self._emit(scope, tee, state, reservation))
+            return
+        try:
+            report = tee.report()
+            if not tee.wanted(report):
+                return
+            record = self._build(scope, tee, state, report, None)
+        except Exception:
+            logger.exception("analysing the response failed; its usage is recorded as unknown")
+            record = self._unknown(scope, tee, state)
+        self.records += 1
+        for sink in self.sinks:
+            try:
+                result = sink(record)
+            except Exception:
+                logger.exception("a usage sink failed for generation %s", record.generation_id)
+                continue
+            if result is not None:
+                self._queue(_awaited(result, record))
+
+    def _queue(self, job: Awaitable[None]) -> None:
+        self._jobs.append(job)
+        emitter = self._emitter
+        if emitter is None or emitter.done():
+            # A context of its own: it outlives the request that happened to start it.
+            self._emitter = asyncio.get_running_loop().create_task(
+                self._emit_queued(), context=contextvars.Context()
+            )
+
+    async def _emit_queued(self) -> None:
+        jobs = self._jobs
+        while jobs:
+            try:
+                await jobs[0]
+            except Exception:
+                logger.exception("emitting a usage record failed")
+            finally:
+                jobs.popleft()
 
     async def drain(self, timeout: float = 10.0) -> None:
         """Wait for records still being emitted (called at lifespan shutdown)."""
-        if self._emitting:
-            await asyncio.wait(set(self._emitting), timeout=timeout)
+        emitter = self._emitter
+        if emitter is not None and not emitter.done():
+            await asyncio.wait({emitter}, timeout=timeout)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         lifecycle, owner = lifecycle_of(scope)
@@ -134,7 +222,10 @@ class MeteringMiddleware:
         self, scope: Scope, tee: _Tee, state: RequestState | None, reservation: Any
     ) -> None:
         try:
-            record = await self._record(scope, tee, state)
+            report = tee.report()
+            if reservation is None and not tee.wanted(report):
+                return
+            record = await self._record(scope, tee, state, report)
         except Exception:
             logger.exception("analysing the response failed; its usage is recorded as unknown")
             record = self._unknown(scope, tee, state)
@@ -152,8 +243,23 @@ class MeteringMiddleware:
             except Exception:
                 logger.exception("a usage sink failed for generation %s", record.generation_id)
 
-    async def _record(self, scope: Scope, tee: _Tee, state: RequestState | None) -> UsageRecord:
-        report = tee.report()
+    async def _record(
+        self, scope: Scope, tee: _Tee, state: RequestState | None, report: Any
+    ) -> UsageRecord:
+        estimate = None
+        if report.output_tokens is None and len(report.text) > _OFF_LOOP_TEXT:
+            estimate = await asyncio.to_thread(self.tokenizer, report.text)
+        return self._build(scope, tee, state, report, estimate)
+
+    def _build(
+        self,
+        scope: Scope,
+        tee: _Tee,
+        state: RequestState | None,
+        report: Any,
+        estimate: int | None,
+    ) -> UsageRecord:
+        """The record; ``estimate``: the output tokens counted already (off the loop)."""
         produced = tee.produced
         delivered = state.delivered_bytes if state is not None else tee.produced
         delivered = min(delivered, produced)
@@ -174,7 +280,7 @@ class MeteringMiddleware:
         usage_source = report.usage_source
         text = report.text
         if output_tokens is None and text:
-            output_tokens = await self._count(text)
+            output_tokens = estimate if estimate is not None else self.tokenizer(text)
             usage_source = "estimated"
         delivered_tokens = output_tokens
         if output_tokens is not None and delivered < produced:
@@ -219,10 +325,6 @@ class MeteringMiddleware:
             error_type=type(failure).__name__ if failure is not None else None,
         )
 
-    async def _count(self, text: str) -> int:
-        if len(text) > _OFF_LOOP_TEXT:
-            return await asyncio.to_thread(self.tokenizer, text)
-        return self.tokenizer(text)
 
 
 class _Tee:
@@ -235,10 +337,12 @@ class _Tee:
         "failure",
         "first_event",
         "is_event_stream",
-        "marks",
+        "mark",
         "meter",
         "produced",
         "provider",
+        "recognized",
+        "scope",
         "started",
         "started_at",
         "state",
@@ -246,8 +350,16 @@ class _Tee:
     )
 
     def __init__(
-        self, provider: str | None, started_at: float, started: float, state: RequestState | None
+        self,
+        scope: Scope,
+        provider: str | None,
+        started_at: float,
+        started: float,
+        state: RequestState | None,
     ) -> None:
+        self.scope = scope
+        self.mark: str | bool | None = None  # what @metered says, read at the start
+        self.recognized = False  # a JSON body of an LLM API (see ``report``)
         self.provider = provider
         self.state = state
         self.started_at = started_at
@@ -260,9 +372,6 @@ class _Tee:
         self.first_event: float | None = None
         self.failure: BaseException | None = None
         self.chunks: list[bytes] = []  # a JSON body, to read at the end
-        # An event stream's (bytes produced, characters of output text) after each chunk
-        # that added text: what share of the text a client that left early received.
-        self.marks = array("q")
         self._json = False
 
     def observe(self, message: Message) -> None:
@@ -274,53 +383,80 @@ class _Tee:
             self.produced += len(body)
             meter = self.meter
             if meter is not None:
-                chars = meter.text_chars
                 meter.feed(body)
-                if meter.text_chars != chars:
-                    self.marks.extend((self.produced, meter.text_chars))
                 if self.first_event is None and meter.event_count:
                     self.first_event = time.monotonic() - self.started
             elif self._json and self.produced <= _JSON_LIMIT:
                 self.chunks.append(body)
         elif kind == "http.response.start":
             self.status_code = message["status"]
+            mark = self.mark = _route_mark(self.scope)
+            if mark is False:
+                self._step_aside()
+                return
+            if isinstance(mark, str):
+                self.provider = mark
             for name, value in message.get("headers", ()):
                 if name.lower() == b"content-type":
                     content_type = bytes(value).lower()
                     if content_type.startswith(b"text/event-stream"):
                         self.is_event_stream = True
-                        meter = self.meter = StreamMeter(self.provider)
+                        meter = self.meter = StreamMeter(self.provider, marks=True)
                         if self.state is not None:
                             # DisconnectMiddleware ends the generation by it.
                             self.state.stream_ending = meter.ending
                     elif content_type.startswith(b"application/json"):
                         self._json = True
                     break
+            if mark is None and not self.is_event_stream and not self._json:
+                self._step_aside()  # neither an event stream nor JSON: not an LLM response
+
+    def _step_aside(self) -> None:
+        """No record for this response: stop observing it."""
+        state = self.state
+        if state is not None and state.observe == self.observe:
+            state.observe = None
+
+    def wanted(self, report: Any) -> bool:
+        """Whether this request gets a usage record (see :func:`metered`)."""
+        mark = self.mark
+        if mark is not None:
+            return mark is not False
+        if self.status_code is None:
+            return self.failure is not None  # it ended before its response started
+        return self.is_event_stream or self.recognized
 
     def report(self) -> Any:
         if self.meter is not None:
             return self.meter.report()
         if self._json and self.produced <= _JSON_LIMIT:
-            return _json_report(b"".join(self.chunks), self.provider)
+            report, self.recognized = _json_report(b"".join(self.chunks), self.provider)
+            return report
         return analyze(b"", self.provider)
+
+    def text_bound(self) -> int:
+        """At most how many characters of text the report will hold."""
+        meter = self.meter
+        return meter.text_chars if meter is not None else self.produced
 
     def text_chars_within(self, size: int) -> int:
         """Characters of output text in the events that ended within the first ``size``
         bytes, to the chunk: delivery stops between chunks, except inside a body over
         1 MiB, where the text of that chunk counts as not delivered."""
-        marks = self.marks
-        low, high = 0, len(marks) // 2
-        while low < high:  # the first mark past ``size``
-            middle = (low + high) // 2
-            if marks[2 * middle] <= size:
-                low = middle + 1
-            else:
-                high = middle
-        return marks[2 * low - 1] if low else 0
+        meter = self.meter
+        return 0 if meter is None else meter.text_chars_within(size)
 
 
-def _json_report(body: bytes, provider: str | None) -> Any:
-    """Usage from a non-streamed JSON response of any of the supported APIs."""
+async def _awaited(result: Awaitable[object], record: UsageRecord) -> None:
+    try:
+        await result
+    except Exception:
+        logger.exception("a usage sink failed for generation %s", record.generation_id)
+
+
+def _json_report(body: bytes, provider: str | None) -> tuple[Any, bool]:
+    """Usage from a non-streamed JSON response of any of the supported APIs, and whether
+    the body is one (a known shape, or a ``usage`` member)."""
     from .metering import StreamReport
 
     try:
@@ -328,7 +464,7 @@ def _json_report(body: bytes, provider: str | None) -> Any:
     except msgspec.DecodeError:
         payload = None
     if not isinstance(payload, dict):
-        return analyze(b"", provider)
+        return analyze(b"", provider), False
     # Any field may be missing or of another shape: what is not as expected counts as absent.
     usage = _dict(payload.get("usage"))
     meta = _dict(payload.get("usageMetadata"))
@@ -353,7 +489,10 @@ def _json_report(body: bytes, provider: str | None) -> Any:
         fmt = "gemini"
     else:
         fmt = provider
-    return StreamReport(
+    recognized = fmt is not provider or any(
+        name in payload for name in ("usage", "usageMetadata", "choices", "candidates")
+    )
+    report = StreamReport(
         provider_format=fmt,
         terminal_marker_seen=error is None and output_tokens is not None,
         error=error,
@@ -365,6 +504,7 @@ def _json_report(body: bytes, provider: str | None) -> Any:
         event_count=0,
         model=_text(payload.get("model")),
     )
+    return report, recognized
 
 
 def _request_fields(scope: Scope, tee: _Tee, state: RequestState | None) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+from array import array
 from typing import Any
 
 import msgspec
@@ -86,14 +87,16 @@ class StreamMeter:
         "_decoder",
         "_detections_left",
         "_first_offset",
-        "_seen",
         "_state",
         "_stopped",
         "event_count",
+        "marks",
         "text_chars",
     )
 
-    def __init__(self, provider: str | None = None, *, max_event_bytes: int = 4 << 20) -> None:
+    def __init__(
+        self, provider: str | None = None, *, max_event_bytes: int = 4 << 20, marks: bool = False
+    ) -> None:
         if provider is not None and provider not in ADAPTERS:
             raise ValueError(f"provider must be one of {', '.join(FORMATS)} or None: {provider!r}")
         self._decoder = SSEDecoder(max_event_bytes=max_event_bytes)
@@ -103,11 +106,12 @@ class StreamMeter:
         self._first_offset: int | None = None
         self._stopped = False
         self.event_count = 0
-        # The output text's length so far, in characters; the text pieces counted in it;
-        # the pieces before ``_block`` are joined blocks (see ``_count_text``).
+        # The output text's length so far, in characters; the pieces of text before
+        # ``_block`` are joined blocks (see ``_count_text``).
         self.text_chars = 0
-        self._seen = 0
         self._block = 0
+        # With ``marks``: (bytes fed, ``text_chars``) after each chunk that added text.
+        self.marks: array[int] | None = array("q") if marks else None
 
     @property
     def provider_format(self) -> str | None:
@@ -128,7 +132,7 @@ class StreamMeter:
             if events:
                 self.event_count += len(events)
                 self._read(events)
-                if len(self._state.text) != self._seen:
+                if self._state.text_chars != self.text_chars:
                     self._count_text()
         except SSEDecodeError as exc:
             self._stop({"type": "sse_decode_error", "message": str(exc)})
@@ -138,17 +142,34 @@ class StreamMeter:
             self._stop({"type": "meter_error", "message": "the stream could not be metered"})
 
     def _count_text(self) -> None:
-        """Count the new text pieces; join every 64 into one block, so a long stream of
-        small deltas keeps its text, not an object per delta."""
-        text = self._state.text
-        seen = self._seen
-        count = len(text)
-        self.text_chars += len(text[seen]) if count == seen + 1 else sum(map(len, text[seen:]))
+        """Mark the text's new length; join every 64 pieces into one block, so a long
+        stream of small deltas keeps its text, not an object per delta."""
+        state = self._state
+        self.text_chars = state.text_chars
+        marks = self.marks
+        if marks is not None:
+            marks.append(self._decoder.bytes_fed)
+            marks.append(state.text_chars)
+        text = state.text
         block = self._block
-        if count - block >= 64:
+        if len(text) - block >= 64:
             text[block:] = ["".join(text[block:])]
-            count = self._block = block + 1
-        self._seen = count
+            self._block = block + 1
+
+    def text_chars_within(self, size: int) -> int:
+        """With ``marks``: the characters of text in the events that ended within the
+        first ``size`` bytes, to the chunk (a chunk's text counts once it is all in)."""
+        marks = self.marks
+        if marks is None:
+            raise ValueError("this meter keeps no marks: StreamMeter(marks=True)")
+        low, high = 0, len(marks) // 2
+        while low < high:  # the first mark past ``size``
+            middle = (low + high) // 2
+            if marks[2 * middle] <= size:
+                low = middle + 1
+            else:
+                high = middle
+        return marks[2 * low - 1] if low else 0
 
     def ending(self) -> str | None:
         """How the stream ended by its protocol, so far: ``"complete"`` (its terminal marker
@@ -164,11 +185,11 @@ class StreamMeter:
     def report(self) -> StreamReport:
         """What the stream said so far (call it when the stream has ended)."""
         state = self._state
-        if len(state.text) != self._seen:
+        if state.text_chars != self.text_chars:
             self._count_text()
         text = "".join(state.text)
         state.text = [text] if text else []
-        self._seen = self._block = len(state.text)
+        self._block = len(state.text)
         figures = (
             state.input_tokens,
             state.output_tokens,

@@ -18,7 +18,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def uvicorn_command(app: str, port: int) -> list[str]:
+def uvicorn_command(app: str, port: int, *, factory: bool = False) -> list[str]:
     """uvicorn with h11 and the asyncio loop, one worker, quiet: the reference server."""
     return [
         sys.executable,
@@ -36,6 +36,7 @@ def uvicorn_command(app: str, port: int) -> list[str]:
         "asyncio",
         "--http",
         "h11",
+        *(["--factory"] if factory else []),
     ]
 
 

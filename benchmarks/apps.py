@@ -51,3 +51,68 @@ logging.getLogger("asgi_disconnect").setLevel(logging.ERROR)
 # backend here keeps the last thousand (each stream's log holds 1,000 chunks), evicting the
 # oldest an eighth at a time as it would in production.
 wrapped_app = DisconnectMiddleware(make_app(), backend=MemoryBackend(max_generations=1000))
+
+
+def installed_app() -> Starlette:
+    """What users add: ``install()``, DisconnectMiddleware and MeteringMiddleware together."""
+    from asgi_disconnect import install
+
+    app = make_app()
+    install(app, backend=MemoryBackend(max_generations=1000))
+    return app
+
+
+# Peers, for scale (``pip install -e '.[bench]'``); each is built when asked for.
+
+
+def correlation_app() -> object:
+    """asgi-correlation-id: one request-id header per request."""
+    from asgi_correlation_id import CorrelationIdMiddleware
+
+    return CorrelationIdMiddleware(make_app())
+
+
+def _tracer_provider() -> object:
+    """An SDK tracer provider whose spans are batched and dropped, as an exporter's would be
+    batched and sent: the spans are made and ended; nothing leaves the process."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        SpanExporter,
+        SpanExportResult,
+    )
+
+    class Drop(SpanExporter):
+        def export(self, spans: object) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Drop()))
+    return provider
+
+
+def otel_app() -> object:
+    """opentelemetry-instrumentation-asgi with its defaults (a span per send and receive)."""
+    from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+
+    return OpenTelemetryMiddleware(make_app(), tracer_provider=_tracer_provider())
+
+
+def otel_request_only_app() -> object:
+    """The same, ``exclude_spans=["receive", "send"]``: one span per request."""
+    from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+
+    return OpenTelemetryMiddleware(
+        make_app(), tracer_provider=_tracer_provider(), exclude_spans=["receive", "send"]
+    )
+
+
+# name -> (uvicorn app spec, whether uvicorn calls it as a factory)
+APPS: dict[str, tuple[str, bool]] = {
+    "bare": ("benchmarks.apps:bare_app", False),
+    "correlation-id": ("benchmarks.apps:correlation_app", True),
+    "otel": ("benchmarks.apps:otel_app", True),
+    "otel-request-span": ("benchmarks.apps:otel_request_only_app", True),
+    "disconnect": ("benchmarks.apps:wrapped_app", False),
+    "install": ("benchmarks.apps:installed_app", True),
+}

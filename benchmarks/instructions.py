@@ -1,16 +1,20 @@
-"""DisconnectMiddleware's overhead in CPU instructions: free of the machine's timing noise.
+"""The stack's overhead in CPU instructions, beside peers: free of the machine's timing noise.
 
-Each app (bare, then wrapped) is served by uvicorn (h11, asyncio, one worker) under
-``valgrind --tool=callgrind``. One keep-alive connection sends warm-up requests, the
-counters are zeroed, the measured requests follow one after another, and the counts are
-dumped: instructions per request (or per stream) of the whole server process, bare vs
-wrapped, and their ratio. The same binary, inputs and environment give the same counts
-whatever else the machine is doing, so this is the figure to judge a change by;
-``benchmarks.overhead`` gives the throughput it stands for.
+Each app of ``benchmarks.apps.APPS`` asked for (``--apps``; by default all: bare,
+asgi-correlation-id, opentelemetry-instrumentation-asgi with its defaults and with one span
+per request, DisconnectMiddleware alone, and ``install()``) is served by uvicorn (h11,
+asyncio, one worker) under ``valgrind --tool=callgrind``. One keep-alive connection sends
+warm-up requests, the counters are zeroed, the measured requests follow one after another,
+and the counts are dumped: instructions per request (or per stream) of the whole server
+process, what each app adds to bare, per chunk for the streams, and the ratio bare / app
+(the throughput ratio it stands for). The same binary, inputs and environment give the same
+counts whatever else the machine is doing, so this is the figure to judge a change by;
+``benchmarks.overhead`` gives the throughput.
 
-    python -m benchmarks.instructions [--requests 1000] [--streams 20]
+    python -m benchmarks.instructions [--requests 1000] [--streams 20] [--apps bare install]
 
-Needs valgrind (``apt-get install valgrind``); each app takes about a minute.
+Needs valgrind (``apt-get install valgrind``) and, for the peers, ``pip install -e
+'.[bench]'``; each app takes about a minute per route.
 """
 
 from __future__ import annotations
@@ -29,8 +33,6 @@ import time
 from collections.abc import Iterator
 
 from benchmarks._uvicorn import HOST, ROOT, free_port, uvicorn_command, wait_until_listening
-
-APPS = {"bare": "benchmarks.apps:bare_app", "wrapped": "benchmarks.apps:wrapped_app"}
 
 
 class Client:
@@ -79,7 +81,9 @@ class Client:
 
 
 @contextlib.contextmanager
-def under_callgrind(app: str, out_dir: str) -> Iterator[tuple[int, int, str]]:
+def under_callgrind(
+    app: str, out_dir: str, *, factory: bool = False
+) -> Iterator[tuple[int, int, str]]:
     port = free_port()
     out = os.path.join(out_dir, f"{app.rsplit(':', 1)[1]}.%p")
     proc = subprocess.Popen(
@@ -87,7 +91,7 @@ def under_callgrind(app: str, out_dir: str) -> Iterator[tuple[int, int, str]]:
             "valgrind",
             "--tool=callgrind",
             f"--callgrind-out-file={out}",
-            *uvicorn_command(app, port),
+            *uvicorn_command(app, port, factory=factory),
         ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
@@ -120,9 +124,11 @@ def _dumped_total(prefix: str, before: set[str]) -> int:
     raise RuntimeError("callgrind wrote no dump")
 
 
-def count(app: str, route: str, requests: int, warmup: int, out_dir: str) -> float:
+def count(
+    app: str, route: str, requests: int, warmup: int, out_dir: str, *, factory: bool = False
+) -> float:
     """Instructions the server process executes per request on ``route``."""
-    with under_callgrind(app, out_dir) as (port, pid, prefix):
+    with under_callgrind(app, out_dir, factory=factory) as (port, pid, prefix):
         client = Client(port)
         try:
             for _ in range(warmup):
@@ -139,14 +145,18 @@ def count(app: str, route: str, requests: int, warmup: int, out_dir: str) -> flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    from benchmarks.apps import APPS, SSE_EVENTS
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=1000, help="measured /json requests")
     parser.add_argument("--streams", type=int, default=20, help="measured /sse streams")
+    parser.add_argument("--apps", nargs="+", choices=list(APPS), default=list(APPS))
     args = parser.parse_args()
     if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
         sys.exit("valgrind is not installed (apt-get install valgrind)")
-    from benchmarks.apps import SSE_EVENTS
-
+    names = ["bare", *(name for name in args.apps if name != "bare")]
     plan = (
         ("/json", args.requests, 200, "request"),
         ("/sse", args.streams, 5, "stream"),
@@ -155,19 +165,18 @@ def main() -> None:
     print("uvicorn (h11, asyncio) under callgrind; instructions of the server process")
     with tempfile.TemporaryDirectory() as out_dir:
         for route, requests, warmup, unit in plan:
-            counts = {
-                name: count(app, route, requests, warmup, out_dir) for name, app in APPS.items()
-            }
-            bare, wrapped = counts["bare"], counts["wrapped"]
-            per_chunk = ""
-            if unit == "stream":
-                per_chunk = f"; +{(wrapped - bare) / SSE_EVENTS:,.0f} per chunk"
-            print(
-                f"{route:10} per {unit}: bare {bare:,.0f}  wrapped {wrapped:,.0f}  "
-                f"(+{wrapped - bare:,.0f}, +{(wrapped - bare) / bare:.1%}{per_chunk}); "
-                f"as a throughput ratio {bare / wrapped:.3f}",
-                flush=True,
-            )
+            counts: dict[str, float] = {}
+            for name in names:
+                app, factory = APPS[name]
+                counts[name] = count(app, route, requests, warmup, out_dir, factory=factory)
+                bare, own = counts["bare"], counts[name]
+                added = own - bare
+                per_chunk = f", {added / SSE_EVENTS:+,.0f} per chunk" if unit == "stream" else ""
+                print(
+                    f"{route:10} {name:18} per {unit} {own:14,.0f}  "
+                    f"({added:+,.0f}{per_chunk}); ratio {bare / own:.3f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -423,9 +423,8 @@ async def test_pathsend_ends_the_response_and_background_work_runs(tmp_path: Pat
     assert state.ending is Ending.DELIVERED
     assert state.generation is not None
     assert state.generation.status == "complete"
-    await eventually(lambda: records)
-    assert records[0].outcome != "cancelled"
-    assert records[0].policy is None
+    await asyncio.sleep(0.05)
+    assert records == []  # a file is not an LLM response: metering stepped aside
 
 
 # -- 12: an error from the server's send reaches the server ------------------------------

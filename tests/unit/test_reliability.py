@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from asgi_disconnect import MemoryBackend, UsageRecord, default_principal, install
+from asgi_disconnect import MemoryBackend, UsageRecord, default_principal, install, metered
 from asgi_disconnect.testing import drive
 
 pytestmark = pytest.mark.anyio
@@ -181,6 +181,7 @@ async def test_a_client_that_reads_slowly_gets_everything_and_memory_stays_bound
     chunk = b"x" * (1 << 20)
     total = 50
 
+    @metered()
     async def flood(request: Request) -> StreamingResponse:
         async def body() -> AsyncIterator[bytes]:
             for _ in range(total):
