@@ -1,15 +1,17 @@
-"""DisconnectMiddleware's overhead: a bare Starlette app vs the same app wrapped, on uvicorn.
+"""The stack's overhead in throughput: a bare Starlette app beside the same app wrapped.
 
-Both servers run side by side (one uvicorn process each, one worker); the load alternates
-between them in rounds so that machine noise hits both alike. Prints requests/s on a small
-JSON route, streams/s and chunks/s on a 1,000-chunk SSE route (its generator never yields,
-so the client writer coalesces what waits), and on a paced one (a trip through the event
-loop per chunk, as a relay reading an upstream does), and the ratios.
+The apps asked for (``--apps``, from ``benchmarks.apps.APPS``: by default bare,
+DisconnectMiddleware alone and ``install()``; add ``correlation-id``, ``otel`` and ``otel-
+request-span`` for the peers) run side by side (one uvicorn process each, one worker); the
+load alternates between them in rounds so that machine noise hits all alike. Prints
+requests/s on a small JSON route, streams/s and chunks/s on a 1,000-chunk SSE route (its
+generator never yields, so the client writer coalesces what waits), and on a paced one (a
+trip through the event loop per chunk, as a relay reading an upstream does), and the ratios.
 
 The load comes from wrk when it is installed (apt-get install wrk), else from a small
 asyncio client, which is slower than the server and so flattens the ratios.
 
-    python -m benchmarks.overhead [--rounds 5] [--seconds 3] [--connections 8]
+    python -m benchmarks.overhead [--rounds 5] [--seconds 3] [--connections 8] [--apps ...]
 """
 
 from __future__ import annotations
@@ -50,10 +52,10 @@ def cpu_seconds(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def serve(app: str) -> Iterator[tuple[int, int]]:
+def serve(app: str, factory: bool = False) -> Iterator[tuple[int, int]]:
     port = free_port()
     proc = subprocess.Popen(
-        uvicorn_command(app, port),
+        uvicorn_command(app, port, factory=factory),
         cwd=ROOT,
         # wrk hangs up on streams still in flight at the end of each run: keep that quiet.
         stderr=subprocess.DEVNULL,
@@ -95,33 +97,34 @@ def measure(port: int, route: str, connections: int, seconds: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    from benchmarks.apps import APPS
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument(
+        "--apps", nargs="+", choices=list(APPS), default=["bare", "disconnect", "install"]
+    )
     args = parser.parse_args()
-    apps = {"bare": "benchmarks.apps:bare_app", "wrapped": "benchmarks.apps:wrapped_app"}
+    names = ["bare", *(name for name in args.apps if name != "bare")]
     results: dict[tuple[str, str], list[float]] = {}
     cpu: dict[tuple[str, str], list[float]] = {}
-    with (
-        serve(apps["bare"]) as (bare_port, bare_pid),
-        serve(apps["wrapped"]) as (
-            wrapped_port,
-            wrapped_pid,
-        ),
-    ):
-        ports = {"bare": bare_port, "wrapped": wrapped_port}
-        pids = {"bare": bare_pid, "wrapped": wrapped_pid}
-        for port in ports.values():  # warm-up
+    with contextlib.ExitStack() as stack:
+        servers = {name: stack.enter_context(serve(*APPS[name])) for name in names}
+        for port, _ in servers.values():  # warm-up
             for route in ROUTES:
                 measure(port, route, 4, 0.5)
         for round_ in range(args.rounds):
-            order = ["bare", "wrapped"] if round_ % 2 == 0 else ["wrapped", "bare"]
+            order = names if round_ % 2 == 0 else list(reversed(names))
             for route in ROUTES:
                 for name in order:
-                    before = cpu_seconds(pids[name])
-                    rate = measure(ports[name], route, args.connections, args.seconds)
-                    used = cpu_seconds(pids[name]) - before
+                    port, pid = servers[name]
+                    before = cpu_seconds(pid)
+                    rate = measure(port, route, args.connections, args.seconds)
+                    used = cpu_seconds(pid) - before
                     results.setdefault((name, route), []).append(rate)
                     # Server CPU per request: steadier than throughput on a noisy machine.
                     cpu.setdefault((name, route), []).append(used / (rate * args.seconds))
@@ -137,24 +140,16 @@ def main() -> None:
         ("/sse-paced", "streams/s"),
     ):
         bare = statistics.median(results[("bare", route)])
-        wrapped = statistics.median(results[("wrapped", route)])
-        extra = ""
-        if route != "/json":
-            extra = (
-                f"  (chunks/s: bare {bare * SSE_EVENTS:,.0f}, wrapped {wrapped * SSE_EVENTS:,.0f})"
-            )
-        print(
-            f"{route:10} {unit:11} bare {bare:9.1f}  wrapped {wrapped:9.1f}  "
-            f"ratio {wrapped / bare:.3f}{extra}"
-        )
         bare_cpu = statistics.median(cpu[("bare", route)]) * 1e6
-        wrapped_cpu = statistics.median(cpu[("wrapped", route)]) * 1e6
         per = "request" if route == "/json" else "stream"
-        print(
-            f"{'':10} server CPU per {per}: bare {bare_cpu:,.0f} us  "
-            f"wrapped {wrapped_cpu:,.0f} us  (+{wrapped_cpu - bare_cpu:,.0f} us); "
-            f"as a throughput ratio {bare_cpu / wrapped_cpu:.3f}"
-        )
+        for name in names:
+            rate = statistics.median(results[(name, route)])
+            used = statistics.median(cpu[(name, route)]) * 1e6
+            chunks = f"  ({rate * SSE_EVENTS:,.0f} chunks/s)" if route != "/json" else ""
+            print(
+                f"{route:10} {name:18} {rate:9.1f} {unit}, ratio {rate / bare:.3f}{chunks}; "
+                f"server CPU per {per} {used:,.0f} us, as a ratio {bare_cpu / used:.3f}"
+            )
 
 
 if __name__ == "__main__":
