@@ -17,7 +17,7 @@ from ._aio import shielded
 from ._contract import RequestState, Reservations, UsageSink
 from ._lifecycle import lifecycle_of
 from ._records import UsageRecord
-from .metering import StreamMeter, analyze
+from .metering import StreamMeter, StreamReport, analyze
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -35,7 +35,6 @@ logger = logging.getLogger("asgi_disconnect")
 
 _OFF_LOOP_TEXT = 64 * 1024
 _JSON_LIMIT = 4 << 20
-_json = msgspec.json.Decoder()
 
 
 def estimate_tokens(text: str) -> int:
@@ -454,43 +453,61 @@ async def _awaited(result: Awaitable[object], record: UsageRecord) -> None:
         logger.exception("a usage sink failed for generation %s", record.generation_id)
 
 
+class _JsonBody(msgspec.Struct):
+    """The members of a JSON response that metering reads; the others are skipped, not
+    built. Any member may be of any shape: what is not as expected counts as absent."""
+
+    object: Any = None
+    type: Any = None
+    model: Any = None
+    error: Any = None
+    stop_reason: Any = None
+    status: Any = None
+    # UNSET: absent, told apart from null (a member that is there at all marks an LLM API).
+    usage: Any = msgspec.UNSET
+    usageMetadata: Any = msgspec.UNSET  # Gemini's name
+    choices: Any = msgspec.UNSET
+    candidates: Any = msgspec.UNSET
+
+
+_JSON_BODY = msgspec.json.Decoder(_JsonBody)
+
+
 def _json_report(body: bytes, provider: str | None) -> tuple[Any, bool]:
     """Usage from a non-streamed JSON response of any of the supported APIs, and whether
     the body is one (a known shape, or a ``usage`` member)."""
-    from .metering import StreamReport
-
     try:
-        payload = _json.decode(body)
-    except msgspec.DecodeError:
-        payload = None
-    if not isinstance(payload, dict):
+        payload = _JSON_BODY.decode(body)
+    except msgspec.DecodeError:  # not JSON, or not an object
         return analyze(b"", provider), False
-    # Any field may be missing or of another shape: what is not as expected counts as absent.
-    usage = _dict(payload.get("usage"))
-    meta = _dict(payload.get("usageMetadata"))
-    error = payload.get("error") if isinstance(payload.get("error"), dict) else None
+    usage = _dict(payload.usage)
+    meta = _dict(payload.usageMetadata)
+    error = payload.error if isinstance(payload.error, dict) else None
     input_tokens = _count(usage, "prompt_tokens", "input_tokens")
     if input_tokens is None:
         input_tokens = _count(meta, "promptTokenCount")
     output_tokens = _count(usage, "completion_tokens", "output_tokens")
     if output_tokens is None:
         output_tokens = _count(meta, "candidatesTokenCount")
-    choices = payload.get("choices")
+    choices = payload.choices
     first = _dict(choices[0]) if isinstance(choices, list) and choices else {}
-    finish = _text(first.get("finish_reason")) or _text(payload.get("stop_reason"))
-    finish = finish or _text(payload.get("status"))
-    if payload.get("object") == "chat.completion":
+    finish = _text(first.get("finish_reason")) or _text(payload.stop_reason)
+    finish = finish or _text(payload.status)
+    if payload.object == "chat.completion":
         fmt: str | None = "openai_chat"
-    elif payload.get("object") == "response":
+    elif payload.object == "response":
         fmt = "openai_responses"
-    elif payload.get("type") == "message":
+    elif payload.type == "message":
         fmt = "anthropic_messages"
-    elif "candidates" in payload:
+    elif payload.candidates is not msgspec.UNSET:
         fmt = "gemini"
     else:
         fmt = provider
-    recognized = fmt is not provider or any(
-        name in payload for name in ("usage", "usageMetadata", "choices", "candidates")
+    unset = msgspec.UNSET
+    recognized = fmt is not provider or (
+        payload.usage is not unset
+        or payload.usageMetadata is not unset
+        or choices is not unset
     )
     report = StreamReport(
         provider_format=fmt,
@@ -502,7 +519,7 @@ def _json_report(body: bytes, provider: str | None) -> tuple[Any, bool]:
         usage_source="provider" if output_tokens is not None else "none",
         finish_reason=finish,
         event_count=0,
-        model=_text(payload.get("model")),
+        model=_text(payload.model),
     )
     return report, recognized
 
