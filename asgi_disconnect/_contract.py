@@ -202,10 +202,12 @@ class RequestState:
             return
         self._finalizers = None
         self.ending = ending
+        # No reference cycle outlives the request (the garbage collector would have to find
+        # it): the generation's reader, DisconnectMiddleware's send, metering's observer.
+        self.app_send = self.observe = None
         generation = self.generation
         if generation is not None:
-            # Its client reads no more; and no cycle outlives the request.
-            generation.reader = None
+            generation.reader = None  # its client reads no more
         for callback in callbacks:
             _call(callback)
 

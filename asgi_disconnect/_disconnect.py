@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Counters", "DisconnectMiddleware"]
 
+
+def _ignore_loss(reason: str) -> None:
+    """A writer's ``on_lost`` once its exchange is over."""
+
 logger = logging.getLogger("asgi_disconnect")
 
 _DISCONNECT: Message = {"type": "http.disconnect"}
@@ -429,6 +433,10 @@ class _Exchange:
         if state.detached and generation is not None and generation.status is _STATUS_COMPLETE:
             self.mw.counters.detach_completed += 1
         state.finish(self._ending())
+        writer = self.writer
+        if writer is not None and writer.task.done():
+            # The writer refers back to the exchange: unlink them, for reference counting.
+            writer.on_lost = _ignore_loss
 
     def _record_end(
         self, status: Status, error: str, code: str = "incomplete_response", frame: str = ""
@@ -623,13 +631,16 @@ class _Exchange:
                     if delivery is _FINAL or delivery is _DONE:
                         return "complete"
                     return "client"
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             if not self.woken:
                 raise
             self.woken = False
             task = self.watcher
             if task is not None and task.uncancel() > 0:
                 raise
+            # Our own wake-up, handled: its traceback holds the frames that hold the
+            # cancelled future that holds it; let reference counting free them.
+            exc.__traceback__ = None
             assert self.wake_reason is not None
             return self.wake_reason
         finally:
