@@ -318,3 +318,11 @@ class Backend(ClaimStore, Protocol):
 
     async def usage_of(self, generation_id: str) -> list[UsageRecord]:
         """The usage records stored for a generation."""
+
+    # Called with a running generation's id, in the process that produces it, when its
+    # owner asked to stop it; True if it was running here. Set by DisconnectMiddleware.
+    on_cancel: Callable[[str], bool] | None
+
+    async def request_cancel(self, generation_id: str) -> bool:
+        """Ask the process that produces the running generation to stop it (here through
+        ``on_cancel``, on another replica through the store); False if it is not running."""

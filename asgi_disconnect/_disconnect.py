@@ -35,7 +35,7 @@ from ._log import Generation
 from ._policy import Policy, PolicySource, check_source, resolve_policy, route_policy
 from ._problem import send_problem
 from ._records import Status
-from ._resume import ResumeEndpoints, error_frame, is_event_stream
+from ._resume import STOPPED, ResumeEndpoints, error_frame, is_event_stream
 from ._supervisor import Supervisor
 from ._writer import MESSAGE_BYTES, ClientWriter, Delivery
 
@@ -87,6 +87,7 @@ class Counters:
         "disconnects",
         "interrupted",
         "policy_errors",
+        "stopped",
     )
 
     def __init__(self) -> None:
@@ -96,6 +97,7 @@ class Counters:
         self.detach_completed = 0
         self.interrupted = 0
         self.policy_errors = 0
+        self.stopped = 0
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -164,6 +166,9 @@ class DisconnectMiddleware:
         self._loop_checked = False
         # (method, path) -> whether that route can only cancel, learned after routing.
         self._cancel_only: dict[tuple[str, str], bool] = {}
+        # Generation id -> its exchange, while it runs here: what a Stop reaches.
+        self._running: dict[str, _Exchange] = {}
+        backend.on_cancel = self._stop
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope_type = scope["type"]
@@ -234,6 +239,11 @@ class DisconnectMiddleware:
     async def _finish_generations(self) -> None:
         # Before the app's own shutdown, so its resources (upstream clients) are still open.
         await self.supervisor.drain(self.shutdown_timeout)
+
+    def _stop(self, generation_id: str) -> bool:
+        """Stop a generation running here on its owner's request (``POST .../cancel``)."""
+        exchange = self._running.get(generation_id)
+        return exchange is not None and exchange.stop()
 
     def learn_route(self, scope: Scope) -> None:
         """Remember whether this route can only cancel, so later requests run it inline."""
@@ -319,6 +329,7 @@ class _Exchange:
         "scope",
         "send",
         "state",
+        "stopped",
         "taken_waiter",
         "wake_reason",
         "watcher",
@@ -364,6 +375,7 @@ class _Exchange:
         self.interrupt_reason = "interrupted before it finished"
         # Metering's observer (RequestState.observe), taken at the response start.
         self.observe: Callable[[Message], None] | None = None
+        self.stopped = False  # its owner asked to stop it (POST .../cancel)
 
     # -- how it ended: one mapping for every path -------------------------------------
 
@@ -384,7 +396,10 @@ class _Exchange:
                 self._record_end(_STATUS_FAILED, f"the server refused a send: {refused!r}"[:500])
             elif self.cancelled_by_policy:
                 self.app_outcome = "cancelled"
-                self._record_end(_STATUS_CANCELLED, "cancelled after the client disconnected")
+                if self.stopped:
+                    self._record_end(_STATUS_CANCELLED, STOPPED, code="cancelled")
+                else:
+                    self._record_end(_STATUS_CANCELLED, "cancelled after the client disconnected")
             else:
                 self.app_outcome = "interrupted"
                 if generation is not None and generation.running:
@@ -425,11 +440,14 @@ class _Exchange:
             and self.app_outcome == "returned"
             and not state.detached
         ):
+            self.mw._running.pop(state.generation_id, None)
             state.finish(_ENDING_DELIVERED)  # a response sent in one piece
             return
         if state.finished:
             return
         generation = self.generation
+        if generation is not None:
+            self.mw._running.pop(generation.id, None)
         if state.detached and generation is not None and generation.status is _STATUS_COMPLETE:
             self.mw.counters.detach_completed += 1
         state.finish(self._ending())
@@ -441,13 +459,16 @@ class _Exchange:
     def _record_end(
         self, status: Status, error: str, code: str = "incomplete_response", frame: str = ""
     ) -> None:
-        """End a generation that did not complete. A failed event stream gets an error frame
-        (``code``; ``frame`` its message, else ``error``) and a proper end; any other
-        response is left open, so the server aborts it rather than end it cleanly."""
+        """End a generation that did not complete. A failed event stream, or one its owner
+        stopped, gets an error frame (``code``; ``frame`` its message, else ``error``) and a
+        proper end; any other response is left open, so the server aborts it rather than
+        end it cleanly."""
         generation = self.generation
         if generation is None or not generation.running:
             return
-        if status is _STATUS_FAILED and is_event_stream(generation.content_type):
+        if (status is _STATUS_FAILED or self.stopped) and is_event_stream(
+            generation.content_type
+        ):
             generation.append(error_frame(generation.id, code, frame or error))
             generation.finish(status, error)
             self._deliver_rest()
@@ -528,6 +549,7 @@ class _Exchange:
                 if watcher is not None and not watcher.done() and not state.detached:
                     watcher.cancel()
                 if self.delivery is _DONE and self.app_outcome == "returned":
+                    self.mw._running.pop(state.generation_id, None)
                     state.finish(_ENDING_DELIVERED)  # a response sent in one piece
                 else:
                     self._finish()
@@ -722,6 +744,28 @@ class _Exchange:
             await shielded(state.close_upstreams())
         if runner is self.app_task:
             await wait_bounded(runner, _TEARDOWN_TIMEOUT)
+
+    def stop(self) -> bool:
+        """Stop the work on its owner's request: as a disconnect under the cancel policy,
+        whether the client is still reading or the work detached. True if it was running."""
+        runner = self.app_task or self.request_task
+        if self.stopped or self.app_outcome is not None or runner is None or runner.done():
+            return False
+        self.stopped = True
+        state = self.state
+        state.policy = Policy.CANCEL
+        generation = self.generation
+        if generation is not None:
+            generation.policy = Policy.CANCEL.value
+        self.mw.counters.stopped += 1
+        self.cancelled_by_policy = True
+        runner.cancel()
+        waiter = self.inbox_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if state.upstreams:
+            self.mw.supervisor.spawn(state.close_upstreams())
+        return True
 
     def _detach(self, policy: Policy) -> None:
         state = self.state
@@ -938,6 +982,7 @@ class _Exchange:
         generation.reader = state
         self.generation = state.generation = generation
         self.mw.backend.register(generation)
+        self.mw._running[generation.id] = self
         if message.get("trailers"):
             self.expect_trailers = True
         for name, _ in headers:

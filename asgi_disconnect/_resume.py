@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl
@@ -16,11 +17,13 @@ from ._records import GenerationInfo, Status
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from starlette.types import Receive, Scope, Send
+    from starlette.types import Message, Receive, Scope, Send
 
     from ._contract import Backend
 
-__all__ = ["ResumeEndpoints", "error_frame", "is_event_stream"]
+__all__ = ["STOPPED", "ResumeEndpoints", "error_frame", "is_event_stream"]
+
+logger = logging.getLogger("asgi_disconnect")
 
 # How long an offset past what another replica wrote may wait for the owner's next flush.
 _OFFSET_WAIT = 5.0
@@ -31,7 +34,12 @@ _MAX_AHEAD = 8 << 20
 _DIGITS = 18
 _BEYOND = 10**_DIGITS
 _ID = re.compile(r"gen_[A-Za-z0-9_-]{24}")
+_ACTIONS = ("stream", "cancel")
+# How long a Stop waits for the generation to end before answering 202.
+_STOP_WAIT = 2.0
 _encode = msgspec.json.Encoder().encode
+# The error of a generation its owner stopped; its log ends with its own error frame.
+STOPPED = "stopped by its owner"
 _ENDINGS = {
     Status.CANCELLED: ("cancelled", "The generation was cancelled after its client disconnected."),
     Status.INTERRUPTED: ("interrupted", "The generation was interrupted before it finished."),
@@ -52,8 +60,25 @@ def _info_json(info: GenerationInfo) -> bytes:
     return msgspec.json.encode(info)
 
 
+async def _send_info(send: Send, status: int, info: GenerationInfo, *, head: bool = False) -> None:
+    body = _info_json(info)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"cache-control", b"no-store"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": b"" if head else body})
+
+
 class ResumeEndpoints:
-    """``GET {prefix}/{id}`` and ``GET {prefix}/{id}/stream?offset=N``."""
+    """``GET {prefix}/{id}``, ``GET {prefix}/{id}/stream?offset=N`` and
+    ``POST {prefix}/{id}/cancel``."""
 
     def __init__(self, backend: Backend, principal: Callable[[Scope], str | None]) -> None:
         self.backend = backend
@@ -65,21 +90,45 @@ class ResumeEndpoints:
         if not rest.startswith("/"):
             return False
         generation_id, slash, action = rest[1:].partition("/")
-        return (action == "stream" or not slash) and _ID.fullmatch(generation_id) is not None
+        return (action in _ACTIONS or not slash) and _ID.fullmatch(generation_id) is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, rest: str) -> None:
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self._answer(scope, receive, tracked, rest)
+        except Exception as exc:
+            if started:
+                raise  # a stream already under way: the server ends it
+            logger.warning("the generation store failed a %s %s: %s", scope["method"], rest, exc)
+            await send_problem(
+                send,
+                503,
+                "generation-store-unavailable",
+                "Service Unavailable",
+                "The generation store cannot be reached; retry.",
+                headers=[(b"retry-after", b"1")],
+            )
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, rest: str) -> None:
         generation_id, _, action = rest[1:].partition("/")
-        if action not in ("", "stream") or not _ID.fullmatch(generation_id):
+        if action not in ("", *_ACTIONS) or not _ID.fullmatch(generation_id):
             await send_problem(send, 404, "not-found", "Not Found", "No such resource.")
             return
-        if scope["method"] not in ("GET", "HEAD"):
+        allowed = ("POST",) if action == "cancel" else ("GET", "HEAD")
+        if scope["method"] not in allowed:
             await send_problem(
                 send,
                 405,
                 "method-not-allowed",
                 "Method Not Allowed",
-                f"{scope['method']} is not allowed here; use GET.",
-                headers=[(b"allow", b"GET, HEAD")],
+                f"{scope['method']} is not allowed here; use {allowed[0]}.",
+                headers=[(b"allow", ", ".join(allowed).encode())],
             )
             return
         owner = await self.backend.principal_of(generation_id)
@@ -102,23 +151,50 @@ class ResumeEndpoints:
             )
             return
         if action == "":
-            body = _info_json(info)
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                        (b"cache-control", b"no-store"),
-                    ],
-                }
-            )
-            await send(
-                {"type": "http.response.body", "body": body if scope["method"] == "GET" else b""}
-            )
+            await _send_info(send, 200, info, head=scope["method"] == "HEAD")
+            return
+        if action == "cancel":
+            await self._cancel(send, info)
             return
         await self._stream(scope, receive, send, info)
+
+    async def _cancel(self, send: Send, info: GenerationInfo) -> None:
+        """Stop: the owner stops a running generation wherever it runs. 200 with its status
+        once it stopped (within ``_STOP_WAIT``), 202 if it has not yet, 409 if it had
+        already ended."""
+        if info.status is Status.RUNNING:
+            requested = await self.backend.request_cancel(info.id)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + _STOP_WAIT
+            while loop.time() < deadline:
+                latest = await self.backend.get(info.id)
+                if latest is None:
+                    break
+                info = latest
+                if info.status is not Status.RUNNING:
+                    break
+                await asyncio.sleep(0.02)
+            if requested:
+                # Stopped (200), or asked of the replica that runs it, which has yet to act.
+                await _send_info(send, 200 if info.status is not Status.RUNNING else 202, info)
+                return
+            if info.status is Status.RUNNING:
+                await send_problem(
+                    send,
+                    503,
+                    "stop-unavailable",
+                    "Stop Unavailable",
+                    f"Generation {info.id} runs where this request cannot reach; retry.",
+                    headers=[(b"retry-after", b"1")],
+                )
+                return
+        await send_problem(
+            send,
+            409,
+            "generation-finished",
+            "Generation Already Ended",
+            f"Generation {info.id} is {info.status.value}; there is nothing to stop.",
+        )
 
     def _produced_here(self, generation_id: str) -> bool:
         """Whether this process produces the generation, so its live size is the truth."""
@@ -209,6 +285,7 @@ class ResumeEndpoints:
             if (
                 final is not None
                 and final.status in _ENDINGS
+                and final.error != STOPPED
                 and is_event_stream(final.content_type)
             ):
                 code, message = _ENDINGS[final.status]

@@ -17,7 +17,7 @@ from .._log import Generation
 from .._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
 
 __all__ = ["DurableBackend", "FlushBatch", "SQLStore"]
@@ -170,6 +170,8 @@ class SQLStore(Protocol):
         self, principal: str, key: str, *, owner: str, generation_id: str
     ) -> None: ...
     async def changed(self, generation_id: str, timeout: float) -> None: ...
+    async def request_cancel(self, generation_id: str) -> bool: ...
+    async def cancel_requests(self, owner: str) -> list[str]: ...
 
 
 @runtime_checkable
@@ -184,6 +186,8 @@ class ChangeNotices(Protocol):
 
 # With change notices, a tail asks the store again unprompted only as a safety net.
 _NOTICE_TIMEOUT = 1.0
+# How often a process asks the store whether an owner wants one of its generations stopped.
+_CANCEL_POLL = 0.25
 
 
 class _Tail:
@@ -290,6 +294,7 @@ class DurableBackend:
         self._usage: list[UsageRow] = []
         self._tails: dict[str, tuple[_Tail, asyncio.Task[None]]] = {}
         self._notices = store if isinstance(store, ChangeNotices) else None
+        self.on_cancel: Callable[[str], bool] | None = None
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -437,13 +442,19 @@ class DurableBackend:
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
-        next_heartbeat = next_sweep = loop.time()
+        next_heartbeat = next_sweep = next_cancel = loop.time()
         next_reap = loop.time() + self.reap_interval
         while True:
             started = loop.time()
             try:
                 while await self.flush():
                     pass
+                if started >= next_cancel:
+                    if self._live and self.on_cancel is not None:
+                        for generation_id in await self.store.cancel_requests(self.owner):
+                            if generation_id in self._live:
+                                self.on_cancel(generation_id)
+                    next_cancel = started + _CANCEL_POLL
                 if started >= next_heartbeat:
                     await self.store.heartbeat(self.owner, self.lease)
                     next_heartbeat = started + self.lease / 3
@@ -591,6 +602,16 @@ class DurableBackend:
     async def _ensure_open(self) -> None:
         if not self._opened:
             await self.open()
+
+    async def request_cancel(self, generation_id: str) -> bool:
+        tracked = self._live.get(generation_id)
+        if tracked is not None:
+            on_cancel = self.on_cancel
+            return on_cancel is not None and tracked.generation.running and on_cancel(
+                generation_id
+            )
+        await self._ensure_open()
+        return await self.store.request_cancel(generation_id)
 
     def produces(self, generation_id: str) -> bool:
         """Whether this process produces the generation: its live log is ahead of the store."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from .._records import Claim, ClaimState, StoredResponse
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
 
     from .._log import Generation
     from .._records import GenerationInfo, UsageRecord
@@ -75,6 +75,7 @@ class MemoryBackend:
     """
 
     url = "memory://"
+    on_cancel: Callable[[str], bool] | None = None
 
     def __init__(
         self,
@@ -326,6 +327,13 @@ class MemoryBackend:
     def produces(self, generation_id: str) -> bool:
         """Whether this process produces the generation: every one kept here is."""
         return generation_id in self._generations
+
+    async def request_cancel(self, generation_id: str) -> bool:
+        generation = self._generations.get(generation_id)
+        on_cancel = self.on_cancel
+        if generation is None or not generation.running or on_cancel is None:
+            return False
+        return on_cancel(generation_id)
 
     async def get(self, generation_id: str) -> GenerationInfo | None:
         generation = self._live(generation_id)

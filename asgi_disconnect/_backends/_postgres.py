@@ -444,6 +444,22 @@ class PostgresStore:
             return None
         return info_from_row(row)
 
+    async def request_cancel(self, generation_id: str) -> bool:
+        result = await self.pool.execute(
+            f"update {self._t}generations set cancel_requested = true "
+            "where id = $1 and status = 'running'",
+            generation_id,
+        )
+        return bool(result != "UPDATE 0")
+
+    async def cancel_requests(self, owner: str) -> list[str]:
+        rows = await self.pool.fetch(
+            f"select id from {self._t}generations "
+            "where status = 'running' and owner = $1 and cancel_requested",
+            owner,
+        )
+        return [row[0] for row in rows]
+
     async def usage(self, generation_id: str) -> list[bytes]:
         rows = await self.pool.fetch(
             f"select record::text from {self._t}usage where generation_id = $1 order by id",
@@ -473,8 +489,11 @@ create table if not exists {t}generations (
     created_at timestamptz not null default now(),
     finished_at timestamptz,
     expires_at timestamptz,
-    error text
+    error text,
+    cancel_requested boolean not null default false
 );
+alter table {t}generations add column if not exists
+    cancel_requested boolean not null default false;
 create index if not exists asgi_disconnect_generations_lease
     on {t}generations (status, lease_until);
 create index if not exists asgi_disconnect_generations_expiry

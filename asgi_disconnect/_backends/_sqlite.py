@@ -51,7 +51,8 @@ create table if not exists asgi_disconnect_generations (
     created_at real not null,
     finished_at real,
     expires_at real,
-    error text
+    error text,
+    cancel_requested integer not null default 0
 );
 create index if not exists asgi_disconnect_generations_lease
     on asgi_disconnect_generations (status, lease_until);
@@ -225,6 +226,14 @@ class SQLiteStore:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
+            columns = {
+                row[1] for row in db.execute("pragma table_info(asgi_disconnect_generations)")
+            }
+            if "cancel_requested" not in columns:
+                db.execute(
+                    "alter table asgi_disconnect_generations "
+                    "add column cancel_requested integer not null default 0"
+                )
             columns = {row[1] for row in db.execute("pragma table_info(asgi_disconnect_usage)")}
             if "request_id" not in columns:
                 # A table made before usage rows had a request id: add it, in place.
@@ -367,6 +376,21 @@ class SQLiteStore:
         if row is None:
             return None
         return info_from_row(row)
+
+    async def request_cancel(self, generation_id: str) -> bool:
+        return await self._run(self._write, lambda db: _request_cancel(generation_id, db))
+
+    async def cancel_requests(self, owner: str) -> list[str]:
+        return await self._run(self._cancel_requests, owner)
+
+    def _cancel_requests(self, owner: str) -> list[str]:
+        assert self._db is not None
+        rows = self._db.execute(
+            "select id from asgi_disconnect_generations "
+            "where status = 'running' and owner = ? and cancel_requested = 1",
+            (owner,),
+        ).fetchall()
+        return [row[0] for row in rows]
 
     async def read(self, generation_id: str, offset: int, limit: int) -> bytes:
         return await self._run(self._read, generation_id, offset, limit)
@@ -523,6 +547,15 @@ class SQLiteStore:
             for generation_id, status, size in self._db.execute(sql, batch):
                 states[generation_id] = (status, size)
         return states
+
+
+def _request_cancel(generation_id: str, db: sqlite3.Connection) -> bool:
+    cursor = db.execute(
+        "update asgi_disconnect_generations set cancel_requested = 1 "
+        "where id = ? and status = 'running'",
+        (generation_id,),
+    )
+    return cursor.rowcount > 0
 
 
 def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:

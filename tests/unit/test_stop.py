@@ -1,0 +1,256 @@
+"""Stop: ``POST /generations/{id}/cancel`` stops a running generation wherever it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from asgi_disconnect import (
+    DisconnectMiddleware,
+    MemoryBackend,
+    UsageRecord,
+    connect,
+    disconnect_policy,
+    install,
+)
+from asgi_disconnect.testing import drive
+from asgi_disconnect.testing._driver import lifespan
+
+pytestmark = pytest.mark.anyio
+
+ALICE = [("authorization", "Bearer alice")]
+BOB = [("authorization", "Bearer bob")]
+EVENT = b'data: {"choices":[{"delta":{"content":"tok"}}]}\n\n'
+
+
+class Upstream:
+    """Stands for the provider's connection: open while the app streams from it."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.closed = 0
+        self.sent = 0
+        self.events = 400
+
+
+def streaming_app(upstream: Upstream, events: int = 400, interval: float = 0.01) -> Starlette:
+    upstream.events = events
+
+    async def body() -> AsyncIterator[bytes]:
+        upstream.opened += 1
+        try:
+            for _ in range(upstream.events):
+                upstream.sent += 1
+                yield EVENT
+                await asyncio.sleep(interval)
+            yield b"data: [DONE]\n\n"
+        finally:
+            upstream.closed += 1
+
+    @disconnect_policy("detach")
+    async def report(request: Request) -> StreamingResponse:
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def chat(request: Request) -> StreamingResponse:
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/report", report), Route("/chat", chat)])
+
+
+async def eventually(check: Callable[[], object], timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+def decoded(result: Any) -> dict[str, Any]:
+    return msgspec.json.decode(result.body)  # type: ignore[no-any-return]
+
+
+async def test_the_owner_stops_detached_work_and_it_is_recorded_cancelled() -> None:
+    upstream = Upstream()
+    records: list[UsageRecord] = []
+    app = streaming_app(upstream)
+    install(app, backend=MemoryBackend(), sinks=[records.append])
+    async with lifespan(app):
+        cut = await drive(app, path="/report", headers=ALICE, disconnect_after_bytes=200)
+        generation_id = cut.header("x-generation-id")
+        assert generation_id is not None
+        await asyncio.sleep(0.1)
+        assert upstream.closed == 0, "detached: it runs on without its client"
+        # Another caller cannot stop it, nor tell that it exists.
+        other = await drive(
+            app, method="POST", path=f"/generations/{generation_id}/cancel", headers=BOB
+        )
+        assert other.status == 404
+        assert decoded(other)["type"] == "urn:asgi-disconnect:problem:generation-not-found"
+        sent = upstream.sent
+        stop = await drive(
+            app, method="POST", path=f"/generations/{generation_id}/cancel", headers=ALICE
+        )
+        assert stop.status == 200
+        assert stop.header("content-type") == "application/json"
+        info = decoded(stop)
+        assert info["status"] == "cancelled"
+        assert info["policy"] == "cancel"
+        assert upstream.closed == 1
+        assert upstream.sent <= sent + 2, "the provider stops being read at once"
+        await eventually(lambda: records)
+        # Stopping again: it has ended, there is nothing to stop.
+        again = await drive(
+            app, method="POST", path=f"/generations/{generation_id}/cancel", headers=ALICE
+        )
+        assert again.status == 409
+        assert decoded(again)["type"] == "urn:asgi-disconnect:problem:generation-finished"
+    (record,) = records
+    assert record.outcome == "cancelled"
+    assert record.generation_id == generation_id
+
+
+@pytest.mark.parametrize("inline", [False, True])
+async def test_a_client_still_reading_gets_an_error_frame_when_the_owner_stops_it(
+    inline: bool,
+) -> None:
+    upstream = Upstream()
+    records: list[UsageRecord] = []
+    app = streaming_app(upstream, events=400 if not inline else 3, interval=0.01)
+    install(app, backend=MemoryBackend(), sinks=[records.append])
+    async with lifespan(app):
+        if inline:
+            # A route that can only cancel runs in the request's own task once learned.
+            await drive(app, path="/chat", headers=ALICE)
+            await eventually(lambda: records)
+            records.clear()
+            upstream.sent = 0
+            upstream.events = 400
+        reading = asyncio.ensure_future(drive(app, path="/chat", headers=ALICE, timeout=10))
+        await eventually(lambda: upstream.sent > 5)
+        mw = next(m for m in _middlewares(app) if isinstance(m, DisconnectMiddleware))
+        (generation_id,) = list(mw._running)
+        stop = await drive(
+            app, method="POST", path=f"/generations/{generation_id}/cancel", headers=ALICE
+        )
+        assert stop.status == 200
+        result = await reading
+        await eventually(lambda: records)
+    assert result.complete
+    assert result.body.startswith(EVENT)
+    assert b"event: error\n" in result.body
+    assert b'"type":"cancelled"' in result.body
+    assert b"[DONE]" not in result.body
+    assert records[0].outcome == "cancelled"
+    assert mw.counters.stopped == 1
+
+
+def _middlewares(app: Starlette) -> list[Any]:
+    found = []
+    layer: Any = app.middleware_stack or app.build_middleware_stack()
+    while layer is not None:
+        found.append(layer)
+        layer = getattr(layer, "app", None)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "problem"),
+    [
+        ("GET", "/cancel", 405, "method-not-allowed"),
+        ("PUT", "/cancel", 405, "method-not-allowed"),
+        ("POST", "", 405, "method-not-allowed"),
+        ("POST", "/stream", 405, "method-not-allowed"),
+        ("POST", "/cancel/", 404, None),
+    ],
+)
+async def test_bad_stop_requests_get_a_problem(
+    method: str, path: str, status: int, problem: str | None
+) -> None:
+    upstream = Upstream()
+    app = streaming_app(upstream, events=5, interval=0)
+    install(app, backend=MemoryBackend())
+    async with lifespan(app):
+        done = await drive(app, path="/chat", headers=ALICE)
+        generation_id = done.header("x-generation-id")
+        result = await drive(
+            app, method=method, path=f"/generations/{generation_id}{path}", headers=ALICE
+        )
+    assert result.status == status
+    if problem is not None:
+        assert result.header("content-type") == "application/problem+json"
+        assert decoded(result)["type"] == f"urn:asgi-disconnect:problem:{problem}"
+        allow = result.header("allow")
+        assert allow == ("POST" if path == "/cancel" else "GET, HEAD")
+
+
+async def test_an_unknown_generation_cannot_be_stopped() -> None:
+    app = streaming_app(Upstream())
+    install(app, backend=MemoryBackend())
+    result = await drive(app, method="POST", path="/generations/gen_" + "Z" * 24 + "/cancel")
+    assert result.status == 404
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def replicated_url(request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+async def test_a_stop_on_one_replica_stops_the_work_running_on_another(
+    replicated_url: str,
+) -> None:
+    url = replicated_url
+    upstream = Upstream()
+    records: list[UsageRecord] = []
+    a = streaming_app(upstream, events=1000)
+    install(a, backend=connect(url, flush_interval=0.02), sinks=[records.append])
+    b = streaming_app(Upstream())
+    install(b, backend=connect(url, flush_interval=0.02))
+    async with lifespan(a), lifespan(b):
+        cut = await drive(a, path="/report", headers=ALICE, disconnect_after_bytes=200)
+        generation_id = cut.header("x-generation-id")
+        await asyncio.sleep(0.2)  # flushed: B knows it
+        asked = time.monotonic()
+        stop = await drive(
+            b, method="POST", path=f"/generations/{generation_id}/cancel", headers=ALICE
+        )
+        assert stop.status in (200, 202)
+        await eventually(lambda: upstream.closed == 1, timeout=1.5)
+        stopped_after = time.monotonic() - asked
+        await eventually(lambda: records)
+
+        async def stored_status() -> str:
+            result = await drive(b, path=f"/generations/{generation_id}", headers=ALICE)
+            return str(decoded(result)["status"])
+
+        async with asyncio.timeout(5):
+            while await stored_status() != "cancelled":
+                await asyncio.sleep(0.05)
+    assert stopped_after < 1.0
+    assert records[0].outcome == "cancelled"
+    assert upstream.sent < 1000
+
+
+class Unreachable(MemoryBackend):
+    async def principal_of(self, generation_id: str) -> str | None:
+        raise ConnectionError("connection refused")
+
+
+@pytest.mark.parametrize(
+    ("method", "action"), [("GET", ""), ("GET", "/stream"), ("POST", "/cancel")]
+)
+async def test_a_store_that_fails_is_a_clear_503(method: str, action: str) -> None:
+    app = streaming_app(Upstream())
+    install(app, backend=Unreachable())
+    result = await drive(
+        app, method=method, path="/generations/gen_" + "Q" * 24 + action, headers=ALICE
+    )
+    assert result.status == 503
+    assert result.header("retry-after") == "1"
+    assert decoded(result)["type"] == "urn:asgi-disconnect:problem:generation-store-unavailable"
