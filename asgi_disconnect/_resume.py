@@ -50,10 +50,67 @@ def is_event_stream(content_type: str | None) -> bool:
     return content_type is not None and content_type.lower().startswith("text/event-stream")
 
 
-def error_frame(generation_id: str, code: str, message: str) -> bytes:
+def error_frame(
+    generation_id: str, code: str, message: str, *, event_id: int | None = None
+) -> bytes:
     """The SSE ``event: error`` frame that marks a stream that did not complete."""
     payload = _encode({"error": {"type": code, "message": message, "generation_id": generation_id}})
-    return b"event: error\ndata: " + payload + b"\n\n"
+    frame = b"event: error\ndata: " + payload + b"\n"
+    if event_id is not None:
+        frame += b"id: %d\n" % event_id
+    return frame + b"\n"
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def event_ends(data: bytes, base: int = 0) -> list[int]:
+    """Where the events in ``data`` end (``base`` + the index just past each blank line),
+    ``data`` starting at the start of a line."""
+    ends = []
+    line_start = 0
+    for match in _LINE_END.finditer(data):
+        if match.start() == line_start:
+            ends.append(base + match.end())
+        line_start = match.end()
+    return ends
+
+
+class _EventIds:
+    """Re-frames an event stream read from ``offset`` (an event's start): whole events
+    only, each with ``id:`` the offset where it ends, so an EventSource's Last-Event-ID
+    says where to resume."""
+
+    __slots__ = ("offset", "pending")
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset  # where ``pending`` starts in the generation
+        self.pending = b""
+
+    def feed(self, data: bytes) -> bytes:
+        buffer = self.pending + data
+        out: list[bytes] = []
+        line_start = 0
+        event_start = 0
+        for match in _LINE_END.finditer(buffer):
+            start, end = match.span()
+            if end == len(buffer) and buffer[start:end] == b"\r":
+                break  # a CR at the end may be the first half of a CRLF: wait for more
+            if start == line_start:
+                # A blank line ends the event: its id goes just before it.
+                out.append(buffer[event_start:start])
+                out.append(b"id: %d\n" % (self.offset + end))
+                out.append(buffer[start:end])
+                event_start = end
+            line_start = end
+        self.pending = buffer[event_start:]
+        self.offset += event_start
+        return b"".join(out)
+
+    def rest(self) -> bytes:
+        """What never ended in a blank line (a stream cut short), as it is."""
+        rest, self.pending = self.pending, b""
+        return rest
 
 
 def _info_json(info: GenerationInfo) -> bytes:
@@ -201,6 +258,43 @@ class ResumeEndpoints:
         produces = getattr(self.backend, "produces", None)
         return produces is not None and bool(produces(generation_id))
 
+    async def _event_start(self, generation_id: str, offset: int) -> int:
+        """Where the event that byte ``offset`` falls in starts: the end of the last event
+        that ended by ``offset``, looked for backwards, 64 KiB at a time then more."""
+        window = 64 << 10
+        while offset > 0:
+            start = max(0, offset - window)
+            data = await self._read(generation_id, start, offset)
+            skip = 0
+            if start > 0:
+                # Begin at a line start: past the window's first line end.
+                first = _LINE_END.search(data)
+                skip = len(data) if first is None else first.end()
+            ends = event_ends(data[skip:], start + skip)
+            if ends:
+                return ends[-1]
+            if start == 0:
+                return 0
+            window *= 4
+        return 0
+
+    async def _read(self, generation_id: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the generation, all of which exist already."""
+        parts: list[bytes] = []
+        size = 0
+        chunks = self.backend.follow(generation_id, start)
+        try:
+            async for data in chunks:
+                parts.append(data)
+                size += len(data)
+                if size >= end - start:
+                    break
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        return b"".join(parts)[: end - start]
+
     async def _wait_for_size(self, info: GenerationInfo, offset: int) -> GenerationInfo:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _OFFSET_WAIT
@@ -216,6 +310,24 @@ class ResumeEndpoints:
         self, scope: Scope, receive: Receive, send: Send, info: GenerationInfo
     ) -> None:
         offset = _parse_offset(scope.get("query_string", b""))
+        last_event_id = _header(scope, b"last-event-id")
+        # An SSE client (an EventSource, httpx-sse: Accept: text/event-stream) gets whole
+        # events with ids; any other client the bytes from the offset, as they are.
+        events = is_event_stream(info.content_type) and bool(
+            last_event_id or "text/event-stream" in (_header(scope, b"accept") or "")
+        )
+        if last_event_id and events:
+            # An EventSource reconnecting: our ids are the byte offsets where events end.
+            offset = _parse_number(last_event_id)
+            if offset is None:
+                await send_problem(
+                    send,
+                    400,
+                    "invalid-last-event-id",
+                    "Invalid Last-Event-ID",
+                    "Last-Event-ID must be an id this endpoint sent: a number of bytes.",
+                )
+                return
         if offset is None:
             await send_problem(
                 send,
@@ -244,6 +356,15 @@ class ResumeEndpoints:
                 headers=[(b"content-range", f"bytes */{info.size}".encode())],
             )
             return
+        if events:
+            # A client that read ``offset`` bytes holds the events that ended by then; the
+            # one it is inside comes again, whole.
+            offset = await self._event_start(info.id, offset)
+            if offset >= info.size and info.status is not Status.RUNNING:
+                # Read to its end: 204 tells an EventSource to stop reconnecting.
+                await send({"type": "http.response.start", "status": 204, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
         await send(
             {
                 "type": "http.response.start",
@@ -272,8 +393,13 @@ class ResumeEndpoints:
 
             tg.start_soon(watch_disconnect)
             chunks = self.backend.follow(info.id, offset)
+            framer = _EventIds(offset) if events else None
             try:
                 async for data in chunks:
+                    if framer is not None:
+                        data = framer.feed(data)
+                        if not data:
+                            continue
                     await send({"type": "http.response.body", "body": data, "more_body": True})
             finally:
                 # A client that left stops following now, not when the iterator is collected.
@@ -281,7 +407,7 @@ class ResumeEndpoints:
                 if aclose is not None:
                     await aclose()
             final = await self.backend.get(info.id)
-            tail = b""
+            tail = framer.rest() if framer is not None else b""
             if (
                 final is not None
                 and final.status in _ENDINGS
@@ -289,9 +415,26 @@ class ResumeEndpoints:
                 and is_event_stream(final.content_type)
             ):
                 code, message = _ENDINGS[final.status]
-                tail = error_frame(final.id, code, message)
+                tail += error_frame(
+                    final.id, code, message, event_id=final.size if events else None
+                )
             await send({"type": "http.response.body", "body": tail, "more_body": False})
             tg.cancel_scope.cancel()
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def _parse_number(value: str) -> int | None:
+    value = value.strip()
+    if not value.isascii() or not value.isdigit():
+        return None
+    digits = value.lstrip("0")
+    return _BEYOND if len(digits) > _DIGITS else int(digits or "0")
 
 
 def _parse_offset(query_string: bytes) -> int | None:
