@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 __all__ = ["Counters", "DisconnectMiddleware"]
 
 
+_KEEP_ALIVE = b": keep-alive\n\n"
+
+
 def _ignore_loss(reason: str) -> None:
     """A writer's ``on_lost`` once its exchange is over."""
 
@@ -130,7 +133,10 @@ class DisconnectMiddleware:
         max_lag_bytes: int = 4 << 20,
         max_lag_seconds: float = 30.0,
         shutdown_timeout: float = 30.0,
+        keep_alive: float | None = 15.0,
     ) -> None:
+        if keep_alive is not None and not keep_alive > 0:
+            raise ValueError("keep_alive must be a positive number of seconds, or None")
         if max_lag_bytes <= 0:
             raise ValueError("max_lag_bytes must be positive")
         if max_lag_seconds <= 0:
@@ -158,6 +164,7 @@ class DisconnectMiddleware:
         self.max_lag_bytes = max_lag_bytes
         self.max_lag_seconds = max_lag_seconds
         self.shutdown_timeout = shutdown_timeout
+        self.keep_alive = keep_alive
         self.counters = Counters()
         self.supervisor = Supervisor()
         self.lifecycle: Lifecycle | None = None
@@ -322,6 +329,8 @@ class _Exchange:
         "inbox",
         "inbox_waiter",
         "interrupt_reason",
+        "keep_alive_handle",
+        "keep_alive_seen",
         "mw",
         "observe",
         "receive",
@@ -376,6 +385,8 @@ class _Exchange:
         # Metering's observer (RequestState.observe), taken at the response start.
         self.observe: Callable[[Message], None] | None = None
         self.stopped = False  # its owner asked to stop it (POST .../cancel)
+        self.keep_alive_seen = 0  # the log's size at the last keep-alive tick
+        self.keep_alive_handle: asyncio.TimerHandle | None = None
 
     # -- how it ended: one mapping for every path -------------------------------------
 
@@ -445,6 +456,10 @@ class _Exchange:
             return
         if state.finished:
             return
+        handle = self.keep_alive_handle
+        if handle is not None:
+            self.keep_alive_handle = None
+            handle.cancel()
         generation = self.generation
         if generation is not None:
             self.mw._running.pop(generation.id, None)
@@ -920,6 +935,12 @@ class _Exchange:
                 await self.send(message)
             except OSError:
                 self._client_went_away()
+                return
+            interval = self.mw.keep_alive
+            if interval is not None and is_event_stream(self.generation.content_type):  # type: ignore[union-attr]
+                self.keep_alive_handle = asyncio.get_running_loop().call_later(
+                    interval, self._keep_alive, interval
+                )
         else:
             await self._other(kind, message)
 
@@ -958,6 +979,30 @@ class _Exchange:
             on_done=self._part_done,
         )
         return writer
+
+    def _keep_alive(self, interval: float) -> None:
+        """Every ``interval`` while an event stream runs: if nothing was produced since the
+        last tick, send the client a ``: keep-alive`` comment (proxies and clients that
+        time out on silence keep the connection). Not in the log, not counted as output."""
+        self.keep_alive_handle = None
+        generation = self.generation
+        if generation is None or not generation.running or self.client_gone:
+            return
+        size = generation.size
+        if size == self.keep_alive_seen and not self.state.detached:
+            writer = self.writer or self._open_writer()
+            if not writer.extras and writer.delivery is _OPEN:
+                writer.queue(
+                    {"type": "http.response.body", "body": _KEEP_ALIVE, "more_body": True},
+                    after_end=False,
+                )
+                # The writer task sends it, in order: the app's next chunk goes behind it.
+                writer.direct = False
+                writer.wake()
+        self.keep_alive_seen = size
+        self.keep_alive_handle = asyncio.get_running_loop().call_later(
+            interval, self._keep_alive, interval
+        )
 
     def _writer_lost(self, reason: str) -> None:
         self.client_gone = True

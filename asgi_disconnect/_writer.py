@@ -284,6 +284,10 @@ class ClientWriter:
     def _sent(self, message: Message, size: int, count: int) -> None:
         kind = message["type"]
         if kind == "http.response.body":
+            extras = self.extras
+            if extras and extras[0][2] is message:
+                extras.pop(0)  # a keep-alive comment: not the log's, not the app's output
+                return
             self.sent_index = count
             self.state.delivered_bytes += size
             if (
