@@ -472,7 +472,13 @@ class _Exchange:
             writer.on_lost = _ignore_loss
 
     def _record_end(
-        self, status: Status, error: str, code: str = "incomplete_response", frame: str = ""
+        self,
+        status: Status,
+        error: str,
+        code: str = "incomplete_response",
+        frame: str = "",
+        *,
+        framed: bool = False,
     ) -> None:
         """End a generation that did not complete. A failed event stream, or one its owner
         stopped, gets an error frame (``code``; ``frame`` its message, else ``error``) and a
@@ -484,7 +490,8 @@ class _Exchange:
         if (status is _STATUS_FAILED or self.stopped) and is_event_stream(
             generation.content_type
         ):
-            generation.append(error_frame(generation.id, code, frame or error))
+            if not framed:
+                generation.append(error_frame(generation.id, code, frame or error))
             generation.finish(status, error)
             self._deliver_rest()
             return
@@ -493,11 +500,14 @@ class _Exchange:
             self.writer.end_response = False
 
     def _failed(self, exc: BaseException) -> None:
+        # A stream that carries its provider's error event has its error frame already.
+        ending = self.state.stream_ending
         self._record_end(
             _STATUS_FAILED,
             f"{type(exc).__name__}: {exc}"[:500],
             str(getattr(exc, "error_type", "stream_error")),
             "The stream failed after it started.",
+            framed=ending is not None and ending() == "error",
         )
 
     def _ended_short(self, generation: Generation, end: str) -> None:
@@ -895,7 +905,13 @@ class _Exchange:
                     )
                 ending = self.state.stream_ending
                 end = None if ending is None else ending()
-                if end is None or end == "complete":
+                if generation.status_code >= 400:
+                    # An error answer (an upstream's refusal passed on) is whole, not a
+                    # completed generation.
+                    generation.finish(
+                        _STATUS_FAILED, f"the response was HTTP {generation.status_code}"
+                    )
+                elif end is None or end == "complete":
                     generation.finish(_STATUS_COMPLETE)
                 else:
                     self._ended_short(generation, end)

@@ -678,7 +678,11 @@ class IdempotencyMiddleware:
                     generation = state.generation if isinstance(state, RequestState) else None
                     # A stream the app ended short (its protocol said so) is as an upstream
                     # failure: not stored, so a retry runs again.
-                    short = generation is not None and generation.status != "complete"
+                    short = (
+                        generation is not None
+                        and generation.status != "complete"
+                        and generation.status_code < 400  # an error answer is whole
+                    )
                     # Stored before the last byte leaves: a client that retries the moment
                     # it has the response gets the replay, not a 409.
                     await shielded(
@@ -750,7 +754,11 @@ class IdempotencyMiddleware:
         status = response["status"]
         if chunks is None:
             chunks = response["chunks"]
-        if generation is not None and generation.status.value != "complete":
+        if (
+            generation is not None
+            and generation.status.value != "complete"
+            and generation.status_code < 400
+        ):
             status = None
         keep = (
             failure is None

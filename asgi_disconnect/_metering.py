@@ -547,6 +547,8 @@ def _failed_outcome(tee: _Tee, state: RequestState | None) -> str | None:
     if isinstance(tee.failure, asyncio.CancelledError):
         policy = state.policy if state is not None else None
         return "cancelled" if policy is not None and policy.value == "cancel" else "interrupted"
+    if getattr(tee.failure, "error_type", None) == "truncated_stream":
+        return "truncated"  # asgi_disconnect.upstream.TruncatedStream
     if tee.failure is not None or (tee.status_code or 0) >= 400:
         return "error"
     return None

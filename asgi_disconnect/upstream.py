@@ -1,24 +1,96 @@
-"""Upstream responses tied to the request that opened them.
+"""Upstream streams: tied to the request that opened them, and watched while they run.
 
 Cancelling an app's task does not always close its upstream: an async generator
 suspended at ``yield`` keeps its ``async with client.stream(...)`` open until garbage
 collection. Responses registered here are closed when the request's policy cancels.
-
 Register every response of your own client with one line::
 
     client = httpx.AsyncClient(event_hooks={"response": [track_response]})
+
+:func:`open_stream` opens a provider's event stream and watches it: a refused request is
+an :class:`UpstreamStatusError` before any byte reaches the client; a first event that
+does not come, a silence between events, an error event or a body that ends without the
+protocol's terminal marker raise the matching :class:`UpstreamStreamError`, which
+DisconnectMiddleware turns into an ``event: error`` frame of that ``error_type``::
+
+    try:
+        upstream = await open_stream(client, client.build_request("POST", url, json=body),
+                                     first_token_timeout=30, idle_timeout=60)
+    except UpstreamStatusError as exc:
+        return JSONResponse(exc.error, status_code=exc.status_code)
+    return StreamingResponse(upstream, media_type="text/event-stream")
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+from typing import TYPE_CHECKING, Any
 
+import msgspec
+
+from ._aio import shielded
 from ._contract import current_state
+from ._errors import AsgiDisconnectError
+from .metering import StreamMeter
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from ._contract import Closable
 
-__all__ = ["track", "track_response"]
+__all__ = [
+    "FirstTokenTimeout",
+    "IdleTimeout",
+    "TruncatedStream",
+    "UpstreamStatusError",
+    "UpstreamStream",
+    "UpstreamStreamError",
+    "open_stream",
+    "track",
+    "track_response",
+]
+
+
+class UpstreamStreamError(AsgiDisconnectError):
+    """The upstream stream failed; ``error_type`` says how (the type of the client's error
+    frame and of the usage record's ``error_type``), ``error`` is the provider's error
+    payload when it sent one."""
+
+    error_type = "upstream_error"
+
+    def __init__(self, message: str, *, error: Any = None) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+class UpstreamStatusError(UpstreamStreamError):
+    """The upstream refused the request: ``status_code``, its error body (JSON decoded
+    when it is JSON) in ``error``, and its ``Retry-After`` if it sent one."""
+
+    error_type = "upstream_status"
+
+    def __init__(self, status_code: int, error: Any, retry_after: str | None = None) -> None:
+        super().__init__(f"the upstream answered {status_code}", error=error)
+        self.status_code = status_code
+        self.retry_after = retry_after
+
+
+class FirstTokenTimeout(UpstreamStreamError):
+    """No event arrived within ``first_token_timeout`` of sending the request."""
+
+    error_type = "first_token_timeout"
+
+
+class IdleTimeout(UpstreamStreamError):
+    """No event arrived for ``idle_timeout`` after the last one (comments do not count)."""
+
+    error_type = "idle_timeout"
+
+
+class TruncatedStream(UpstreamStreamError):
+    """The body ended without its protocol's terminal marker."""
+
+    error_type = "truncated_stream"
 
 
 def track(upstream: Closable) -> bool:
@@ -33,3 +105,132 @@ def track(upstream: Closable) -> bool:
 async def track_response(response: Closable) -> None:
     """An httpx (or httpx2) ``response`` event hook that calls :func:`track`."""
     track(response)
+
+
+_ERROR_BODY = 64 << 10
+
+
+async def open_stream(
+    client: Any,
+    request: Any,
+    *,
+    first_token_timeout: float | None = 30.0,
+    idle_timeout: float | None = 60.0,
+    provider: str | None = None,
+) -> UpstreamStream:
+    """Send ``request`` with ``client`` (an ``httpx.AsyncClient``, or httpx2's) and return
+    its event stream, an async iterator of the body's bytes, unchanged.
+
+    A non-2xx status raises :class:`UpstreamStatusError` here, before the caller starts
+    its own response. ``first_token_timeout`` runs from now to the first event (not to the
+    headers), ``idle_timeout`` between events; keep-alive comments are not events. The
+    response is tracked on the current request (:func:`track`) and closed, shielded, on
+    every way out of the iteration. Give the client a read timeout longer than both (or
+    none): these are the ones that tell a slow stream from a dead one.
+    """
+    loop = asyncio.get_running_loop()
+    first_deadline = None if first_token_timeout is None else loop.time() + first_token_timeout
+    try:
+        async with asyncio.timeout_at(first_deadline):
+            response = await client.send(request, stream=True)
+    except TimeoutError:
+        raise FirstTokenTimeout(
+            f"the upstream sent no headers within {first_token_timeout:g} s"
+        ) from None
+    track(response)
+    if not 200 <= response.status_code < 300:
+        try:
+            async with asyncio.timeout_at(first_deadline):
+                body = await _read_some(response, _ERROR_BODY)
+        except TimeoutError:
+            body = b""
+        finally:
+            await shielded(response.aclose())
+        raise UpstreamStatusError(
+            response.status_code, _decoded(body), response.headers.get("retry-after")
+        )
+    return UpstreamStream(response, first_deadline, idle_timeout, provider)
+
+
+class UpstreamStream:
+    """A provider's event stream as it arrives, checked as it goes (see :func:`open_stream`)."""
+
+    def __init__(
+        self,
+        response: Any,
+        first_deadline: float | None,
+        idle_timeout: float | None,
+        provider: str | None,
+    ) -> None:
+        self.response = response
+        self.meter = StreamMeter(provider)
+        self._first_deadline = first_deadline
+        self._idle_timeout = idle_timeout
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._iterate()
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+    async def _iterate(self) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        meter = self.meter
+        raw = self.response.aiter_raw()
+        last_event = 0.0
+        try:
+            while True:
+                if not meter.event_count:
+                    deadline = self._first_deadline
+                elif self._idle_timeout is not None:
+                    deadline = last_event + self._idle_timeout
+                else:
+                    deadline = None
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await raw.__anext__()
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    if not meter.event_count:
+                        raise FirstTokenTimeout("the upstream sent no event in time") from None
+                    raise IdleTimeout(
+                        f"the upstream sent no event for {self._idle_timeout:g} s"
+                    ) from None
+                except UpstreamStreamError:
+                    raise
+                except Exception as exc:
+                    raise UpstreamStreamError(f"the upstream connection failed: {exc!r}") from exc
+                before = meter.event_count
+                meter.feed(chunk)
+                if meter.event_count != before:
+                    last_event = loop.time()
+                yield chunk
+            ending = meter.ending()
+            if ending == "error":
+                report = meter.report()
+                raise UpstreamStreamError(
+                    "the upstream sent an error event", error=report.error
+                )
+            if ending == "truncated":
+                raise TruncatedStream("the upstream body ended without its terminal marker")
+        finally:
+            await shielded(self.response.aclose())
+
+
+async def _read_some(response: Any, limit: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_raw():
+        parts.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(parts)[:limit]
+
+
+def _decoded(body: bytes) -> Any:
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body.decode("utf-8", "replace")
