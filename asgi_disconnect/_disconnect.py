@@ -134,6 +134,8 @@ class DisconnectMiddleware:
         max_lag_seconds: float = 30.0,
         shutdown_timeout: float = 30.0,
         keep_alive: float | None = 15.0,
+        resume_secret: bytes | None = None,
+        resume_token_ttl: float = 300.0,
     ) -> None:
         if keep_alive is not None and not keep_alive > 0:
             raise ValueError("keep_alive must be a positive number of seconds, or None")
@@ -168,7 +170,11 @@ class DisconnectMiddleware:
         self.counters = Counters()
         self.supervisor = Supervisor()
         self.lifecycle: Lifecycle | None = None
-        self._resume = ResumeEndpoints(backend, self.principal)
+        if not resume_token_ttl > 0:
+            raise ValueError("resume_token_ttl must be a positive number of seconds")
+        self._resume = ResumeEndpoints(
+            backend, self.principal, secret=resume_secret, token_ttl=resume_token_ttl
+        )
         self._warned_no_lifespan = False
         self._loop_checked = False
         # (method, path) -> whether that route can only cancel, learned after routing.

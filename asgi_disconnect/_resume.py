@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import re
+import secrets
+import time
+from base64 import urlsafe_b64encode
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl
 
@@ -34,7 +39,9 @@ _MAX_AHEAD = 8 << 20
 _DIGITS = 18
 _BEYOND = 10**_DIGITS
 _ID = re.compile(r"gen_[A-Za-z0-9_-]{24}")
-_ACTIONS = ("stream", "cancel")
+_ACTIONS = ("stream", "cancel", "token")
+# A resume token's life unless the middleware says otherwise.
+TOKEN_TTL = 300.0
 # How long a Stop waits for the generation to end before answering 202.
 _STOP_WAIT = 2.0
 _encode = msgspec.json.Encoder().encode
@@ -134,12 +141,51 @@ async def _send_info(send: Send, status: int, info: GenerationInfo, *, head: boo
 
 
 class ResumeEndpoints:
-    """``GET {prefix}/{id}``, ``GET {prefix}/{id}/stream?offset=N`` and
-    ``POST {prefix}/{id}/cancel``."""
+    """``GET {prefix}/{id}``, ``GET {prefix}/{id}/stream?offset=N``,
+    ``POST {prefix}/{id}/cancel`` and ``POST {prefix}/{id}/token``."""
 
-    def __init__(self, backend: Backend, principal: Callable[[Scope], str | None]) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        principal: Callable[[Scope], str | None],
+        *,
+        secret: bytes | None = None,
+        token_ttl: float = TOKEN_TTL,
+    ) -> None:
         self.backend = backend
         self.principal = principal
+        # Replicas that share a backend must share the secret for a token made on one to
+        # open a stream on another; without one, tokens hold in this process only.
+        self.secret = secret if secret is not None else secrets.token_bytes(32)
+        self.token_ttl = token_ttl
+
+    def token(self, generation_id: str, principal: str, now: float | None = None) -> str:
+        """A token that reads ``generation_id`` as ``principal`` until ``token_ttl`` from
+        now: ``{expiry}.{mac}``, the MAC over the id, the principal and the expiry."""
+        expires = int((time.time() if now is None else now) + self.token_ttl)
+        return f"{expires}.{self._mac(generation_id, principal, expires)}"
+
+    def _mac(self, generation_id: str, principal: str, expires: int) -> str:
+        message = f"{generation_id}\n{principal}\n{expires}".encode()
+        digest = hmac.new(self.secret, message, hashlib.sha256).digest()
+        return urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+    def _token_principal(self, scope: Scope, generation_id: str, owner: str) -> bool | None:
+        """None without a ``token`` parameter; else whether it reads this generation as
+        ``owner``, unexpired."""
+        values = [
+            value
+            for name, value in parse_qsl(scope.get("query_string", b"").decode("latin-1"))
+            if name == "token"
+        ]
+        if not values:
+            return None
+        expires, dot, mac = values[-1].partition(".")
+        if not dot or not expires.isascii() or not expires.isdigit() or len(expires) > 12:
+            return False
+        if int(expires) < time.time():
+            return False
+        return hmac.compare_digest(mac, self._mac(generation_id, owner, int(expires)))
 
     def handles(self, rest: str) -> bool:
         """Whether ``rest`` (the path after the prefix) names a resume endpoint; other paths
@@ -177,7 +223,7 @@ class ResumeEndpoints:
         if action not in ("", *_ACTIONS) or not _ID.fullmatch(generation_id):
             await send_problem(send, 404, "not-found", "Not Found", "No such resource.")
             return
-        allowed = ("POST",) if action == "cancel" else ("GET", "HEAD")
+        allowed = ("POST",) if action in ("cancel", "token") else ("GET", "HEAD")
         if scope["method"] not in allowed:
             await send_problem(
                 send,
@@ -195,8 +241,23 @@ class ResumeEndpoints:
             # owner's next flush before saying it does not exist.
             await asyncio.sleep(4 * flush_interval)
             owner = await self.backend.principal_of(generation_id)
-        # Another caller's generation is indistinguishable from a missing one.
-        readable = owner is not None and owner == (self.principal(scope) or "")
+        # Another caller's generation is indistinguishable from a missing one. A browser's
+        # EventSource cannot send Authorization: a resume token stands for it, to read.
+        granted = None
+        if owner is not None and allowed[0] == "GET":
+            granted = self._token_principal(scope, generation_id, owner)
+        if granted is False:
+            await send_problem(
+                send,
+                401,
+                "invalid-resume-token",
+                "Invalid Resume Token",
+                "The resume token is expired, or was not made for this generation.",
+            )
+            return
+        readable = owner is not None and (
+            granted is True or owner == (self.principal(scope) or "")
+        )
         info = await self.backend.get(generation_id) if readable else None
         if info is None:
             await send_problem(
@@ -212,6 +273,22 @@ class ResumeEndpoints:
             return
         if action == "cancel":
             await self._cancel(send, info)
+            return
+        if action == "token":
+            token = self.token(info.id, owner or "")
+            body = _encode({"token": token, "expires_in": int(self.token_ttl)})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"cache-control", b"no-store"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
             return
         await self._stream(scope, receive, send, info)
 
