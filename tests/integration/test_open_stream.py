@@ -37,9 +37,13 @@ BODY = {
 
 
 def gateway(
-    upstream_url: str, records: list[UsageRecord], backend: MemoryBackend, **timeouts: float
+    upstream_url: str,
+    records: list[UsageRecord],
+    backend: MemoryBackend,
+    library: Any = httpx,
+    **timeouts: float,
 ) -> Starlette:
-    client = httpx.AsyncClient(base_url=upstream_url, timeout=httpx.Timeout(None))
+    client = library.AsyncClient(base_url=upstream_url, timeout=library.Timeout(None))
 
     @metered()
     async def chat(request: Request) -> Response:
@@ -107,6 +111,31 @@ async def test_a_whole_stream_is_relayed_as_it_is() -> None:
     assert info.status == "complete"
     assert record.outcome == "complete"
     assert record.usage_source == "provider"
+
+
+@pytest.mark.parametrize("fault", [None, "truncate-after=3", "status=429"])
+async def test_httpx2_clients_are_watched_alike(fault: str | None) -> None:
+    httpx2 = pytest.importorskip("httpx2")
+    records: list[UsageRecord] = []
+    backend = MemoryBackend()
+    with FakeProvider(tokens=10, tokens_per_second=100) as provider:
+        app = gateway(provider.url, records, backend, library=httpx2, idle_timeout=5)
+        with run_server(app) as server:
+            headers = {"x-fake-fault": fault} if fault else {}
+            result = await request(f"{server.url}/chat", method="POST", headers=headers)
+            (upstream,) = await provider.await_requests(1)
+            assert await upstream.await_closed(timeout=5)
+            record = await settled(records)
+    if fault is None:
+        assert record.outcome == "complete"
+        assert result.body.endswith(b"data: [DONE]\n\n")
+    elif fault.startswith("status"):
+        assert result.status == 429
+        assert record.outcome == "error"
+    else:
+        (frame,) = frames(result.body)
+        assert frame["error"]["type"] == "truncated_stream"
+        assert record.outcome == "truncated"
 
 
 @pytest.mark.parametrize("status", [400, 429, 500])

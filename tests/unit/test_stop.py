@@ -254,3 +254,52 @@ async def test_a_store_that_fails_is_a_clear_503(method: str, action: str) -> No
     assert result.status == 503
     assert result.header("retry-after") == "1"
     assert decoded(result)["type"] == "urn:asgi-disconnect:problem:generation-store-unavailable"
+
+
+async def test_a_stop_across_replicas_stops_the_provider_billing() -> None:
+    """Replica A relays a detached generation from FakeProvider over real TCP; its client
+    left. A Stop sent to replica B closes A's upstream: the provider stops generating, so
+    what it billed stays near what the generation holds."""
+    import contextlib
+    import tempfile
+
+    import httpx
+
+    from asgi_disconnect.testing import FakeProvider
+    from asgi_disconnect.upstream import open_stream
+
+    url = f"sqlite:///{tempfile.mkdtemp()}/g.db"
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with FakeProvider(tokens=400, tokens_per_second=100) as provider:
+        client = httpx.AsyncClient(base_url=provider.url, timeout=httpx.Timeout(None))
+
+        @disconnect_policy("detach")
+        async def relay(request: Request) -> StreamingResponse:
+            outgoing = client.build_request("POST", "/v1/chat/completions", json=body)
+            return StreamingResponse(
+                await open_stream(client, outgoing), media_type="text/event-stream"
+            )
+
+        a = Starlette(routes=[Route("/relay", relay)])
+        install(a, backend=connect(url, flush_interval=0.02))
+        b = streaming_app(Upstream())
+        install(b, backend=connect(url, flush_interval=0.02))
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(lifespan(a))
+            await stack.enter_async_context(lifespan(b))
+            cut = await drive(a, path="/relay", headers=ALICE, disconnect_after_bytes=300)
+            generation_id = cut.header("x-generation-id")
+            await asyncio.sleep(0.5)
+            stop = await drive(
+                b, method="POST", path=f"/generations/{generation_id}/cancel", headers=ALICE
+            )
+            assert stop.status in (200, 202)
+            (upstream,) = await provider.await_requests(1)
+            assert await upstream.await_closed(timeout=2)
+            await asyncio.sleep(0.2)
+            stored = await drive(b, path=f"/generations/{generation_id}/stream", headers=ALICE)
+        await client.aclose()
+    held = stored.body.count(b'"content":"') - stored.body.count(b'"content":""')
+    assert 0 < upstream.tokens_sent < 400
+    assert held > 0
+    assert upstream.tokens_sent / held < 1.15, (upstream.tokens_sent, held)
