@@ -200,7 +200,8 @@ class UpstreamStream:
                 except UpstreamStreamError:
                     raise
                 except Exception as exc:
-                    raise UpstreamStreamError(f"the upstream connection failed: {exc!r}") from exc
+                    # Reset, or closed mid-body: it ended before its terminal marker.
+                    raise TruncatedStream(f"the upstream connection broke: {exc!r}") from exc
                 before = meter.event_count
                 meter.feed(chunk)
                 if meter.event_count != before:
