@@ -457,8 +457,7 @@ class _Exchange:
             and self.app_outcome == "returned"
             and not state.detached
         ):
-            self.mw._running.pop(state.generation_id, None)
-            state.finish(_ENDING_DELIVERED)  # a response sent in one piece
+            self._end(_ENDING_DELIVERED)  # a response sent in one piece
             return
         if state.finished:
             return
@@ -467,15 +466,18 @@ class _Exchange:
             self.keep_alive_handle = None
             handle.cancel()
         generation = self.generation
-        if generation is not None:
-            self.mw._running.pop(generation.id, None)
         if state.detached and generation is not None and generation.status is _STATUS_COMPLETE:
             self.mw.counters.detach_completed += 1
-        state.finish(self._ending())
+        self._end(self._ending())
         writer = self.writer
         if writer is not None and writer.task.done():
             # The writer refers back to the exchange: unlink them, for reference counting.
             writer.on_lost = _ignore_loss
+
+    def _end(self, ending: Ending) -> None:
+        """Record how the exchange ended; a Stop no longer reaches it."""
+        self.mw._running.pop(self.state.generation_id, None)
+        self.state.finish(ending)
 
     def _record_end(
         self,
@@ -580,8 +582,7 @@ class _Exchange:
                 if watcher is not None and not watcher.done() and not state.detached:
                     watcher.cancel()
                 if self.delivery is _DONE and self.app_outcome == "returned":
-                    self.mw._running.pop(state.generation_id, None)
-                    state.finish(_ENDING_DELIVERED)  # a response sent in one piece
+                    self._end(_ENDING_DELIVERED)  # a response sent in one piece
                 else:
                     self._finish()
             else:

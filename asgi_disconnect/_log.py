@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ._records import GenerationInfo, Status
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
 __all__ = ["Generation", "Released", "now"]
 
@@ -194,10 +194,16 @@ class Generation:
             index += 1
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def follow(self, offset: int) -> AsyncIterator[bytes]:
-        """The bytes from ``offset``, then live until the generation ends."""
+    async def follow(
+        self, offset: int, released: Callable[[int], Awaitable[bytes]] | None = None
+    ) -> AsyncIterator[bytes]:
+        """The bytes from ``offset``, then live until the generation ends; ``released``
+        reads from the store what memory let go (below ``base``)."""
         while True:
-            data = self.read(offset)
+            if offset < self.base and released is not None:
+                data = await released(offset)
+            else:
+                data = self.read(offset)
             if data:
                 offset += len(data)
                 yield data

@@ -175,6 +175,12 @@ class MeteringMiddleware:
             logger.exception("analysing the response failed; its usage is recorded as unknown")
             record = self._unknown(scope, tee, state)
         self.records += 1
+        for waiting in self._to_sinks(record):
+            self._queue(waiting)
+
+    def _to_sinks(self, record: UsageRecord) -> list[Awaitable[None]]:
+        """Give ``record`` to each sink; what async sinks return, to await in order."""
+        waiting: list[Awaitable[None]] = []
         for sink in self.sinks:
             try:
                 result = sink(record)
@@ -182,7 +188,8 @@ class MeteringMiddleware:
                 logger.exception("a usage sink failed for generation %s", record.generation_id)
                 continue
             if result is not None:
-                self._queue(_awaited(result, record))
+                waiting.append(_awaited(result, record))
+        return waiting
 
     def _queue(self, job: Awaitable[None]) -> None:
         self._jobs.append(job)
@@ -234,13 +241,8 @@ class MeteringMiddleware:
                 await self.reservations.settle(reservation, record)
             except Exception:
                 logger.exception("settle() failed for generation %s", record.generation_id)
-        for sink in self.sinks:
-            try:
-                result = sink(record)
-                if result is not None:
-                    await result
-            except Exception:
-                logger.exception("a usage sink failed for generation %s", record.generation_id)
+        for waiting in self._to_sinks(record):
+            await waiting
 
     async def _record(
         self, scope: Scope, tee: _Tee, state: RequestState | None, report: Any

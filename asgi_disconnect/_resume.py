@@ -125,7 +125,10 @@ def _info_json(info: GenerationInfo) -> bytes:
 
 
 async def _send_info(send: Send, status: int, info: GenerationInfo, *, head: bool = False) -> None:
-    body = _info_json(info)
+    await _send_json(send, status, _info_json(info), head=head)
+
+
+async def _send_json(send: Send, status: int, body: bytes, *, head: bool = False) -> None:
     await send(
         {
             "type": "http.response.start",
@@ -276,19 +279,9 @@ class ResumeEndpoints:
             return
         if action == "token":
             token = self.token(info.id, owner or "")
-            body = _encode({"token": token, "expires_in": int(self.token_ttl)})
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                        (b"cache-control", b"no-store"),
-                    ],
-                }
+            await _send_json(
+                send, 200, _encode({"token": token, "expires_in": int(self.token_ttl)})
             )
-            await send({"type": "http.response.body", "body": body})
             return
         await self._stream(scope, receive, send, info)
 
@@ -507,7 +500,7 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 def _parse_number(value: str) -> int | None:
-    value = value.strip()
+    """ASCII digits as a number of bytes (too many digits: _BEYOND); None otherwise."""
     if not value.isascii() or not value.isdigit():
         return None
     digits = value.lstrip("0")
@@ -527,8 +520,4 @@ def _parse_offset(query_string: bytes) -> int | None:
         return 0
     if len(values) > 1:
         return None
-    value = values[0]
-    if not value.isascii() or not value.isdigit():
-        return None
-    digits = value.lstrip("0")
-    return _BEYOND if len(digits) > _DIGITS else int(digits or "0")
+    return _parse_number(values[0])

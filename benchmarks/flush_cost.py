@@ -25,6 +25,7 @@ from typing import Any
 
 from asgi_disconnect import Status, connect
 from asgi_disconnect._log import Generation
+from benchmarks.load import _drop_schema
 
 PG_DSN = os.environ.get("ASGI_DISCONNECT_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 CHUNK = b"data: " + b"x" * 222 + b"\n\n"
@@ -62,16 +63,6 @@ async def measure(url: str, args: argparse.Namespace) -> float:
         await backend.aclose()
 
 
-async def drop_schema(dsn: str, schema: str) -> None:
-    import asyncpg
-
-    connection = await asyncpg.connect(dsn)
-    try:
-        await connection.execute(f'drop schema if exists "{schema}" cascade')
-    finally:
-        await connection.close()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -102,7 +93,7 @@ def main() -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         if "postgres" in args.backend:
-            asyncio.run(drop_schema(args.pg_dsn, schema))
+            asyncio.run(_drop_schema(args.pg_dsn, schema))
 
 
 if __name__ == "__main__":

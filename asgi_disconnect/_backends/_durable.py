@@ -638,23 +638,18 @@ class DurableBackend:
         if tracked is not None:
             # Produced here: read the live log, which is ahead of the database; what it
             # released is in the database.
-            generation = tracked.generation
-            while True:
-                if offset < generation.base:
-                    data = await self.store.read(generation_id, offset, 1 << 20)
-                    if not data:
-                        raise BackendUnavailable(
-                            f"{self.url} lost bytes {offset}.. of generation {generation_id}"
-                        )
-                else:
-                    data = generation.read(offset)
-                if data:
-                    offset += len(data)
-                    yield data
-                    continue
-                if not generation.running:
-                    return
-                await generation.changed()
+
+            async def released(start: int) -> bytes:
+                data = await self.store.read(generation_id, start, 1 << 20)
+                if not data:
+                    raise BackendUnavailable(
+                        f"{self.url} lost bytes {start}.. of generation {generation_id}"
+                    )
+                return data
+
+            async for data in tracked.generation.follow(offset, released):
+                yield data
+            return
         await self._ensure_open()
         entry = self._tails.get(generation_id)
         if entry is None or entry[0].error is not None:
