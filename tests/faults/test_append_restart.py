@@ -9,6 +9,7 @@ import pytest
 from asgi_disconnect import DurableBackend, Status, connect
 from asgi_disconnect._log import Generation
 from tests.faults.cluster import Cluster
+from tests.unit.test_backends import usage_record
 
 pytestmark = pytest.mark.anyio
 
@@ -28,9 +29,11 @@ async def test_postgres_restart_mid_generation_loses_and_duplicates_nothing(
             await asyncio.sleep(0.01)
         generation.finish(Status.COMPLETE)
 
+    record = usage_record(generation.id)
     try:
         producer = asyncio.ensure_future(produce())
         await asyncio.sleep(0.5)
+        backend.record_usage(record)  # written by flushes that fail, then one that lands
         await asyncio.to_thread(cluster.stop, "fast")
         await asyncio.sleep(0.3)
         await asyncio.to_thread(cluster.start)
@@ -48,6 +51,7 @@ async def test_postgres_restart_mid_generation_loses_and_duplicates_nothing(
     try:
         stored = b"".join([chunk async for chunk in reader.follow(generation.id, 0)])
         info = await reader.get(generation.id)
+        records = await reader.usage_of(generation.id)
     finally:
         await reader.aclose()
     assert stored == b"".join(b"chunk %04d;" % i for i in range(400))
@@ -56,3 +60,4 @@ async def test_postgres_restart_mid_generation_loses_and_duplicates_nothing(
     assert stored.count(b";") == 400
     assert info is not None
     assert info.status is Status.COMPLETE
+    assert records == [record], "the usage record, once"

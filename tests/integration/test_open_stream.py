@@ -212,3 +212,23 @@ async def test_headers_then_silence_fires_the_first_token_timeout() -> None:
     assert frame["error"]["type"] == "first_token_timeout"
     assert record.outcome == "error"
     assert record.error_type == "first_token_timeout"
+
+
+async def test_a_client_that_leaves_closes_the_upstream_and_is_recorded_once() -> None:
+    records: list[UsageRecord] = []
+    backend = MemoryBackend()
+    with FakeProvider(tokens=200, tokens_per_second=100) as provider:
+        app = gateway(provider.url, records, backend, idle_timeout=5)
+        with run_server(app) as server:
+            result = await request(
+                f"{server.url}/chat", method="POST", disconnect_after_bytes=400
+            )
+            (upstream,) = await provider.await_requests(1)
+            assert await upstream.await_closed(timeout=5), "the upstream was left open"
+            record = await settled(records)
+    assert result.body
+    assert upstream.tokens_sent < 200
+    assert record.outcome == "cancelled"
+    info = await backend.get(result.headers["x-generation-id"])
+    assert info is not None
+    assert info.status == "cancelled"

@@ -499,6 +499,11 @@ async def test_usage_records_waiting_for_the_store_are_bounded(
         await backend.aclose()
 
 
+def test_a_bad_pending_usage_bound_is_refused(sqlite_url: str) -> None:
+    with pytest.raises(ValueError, match="max_pending_usage"):
+        durable(sqlite_url, max_pending_usage=0)
+
+
 async def test_a_usage_table_from_before_request_ids_gets_the_column(sqlite_url: str) -> None:
     import sqlite3
 
@@ -528,28 +533,7 @@ async def test_usage_records_are_stored(backend_url: str) -> None:
     backend = connect(backend_url)
     await backend.open()
     try:
-        record = UsageRecord(
-            generation_id=GID,
-            principal="alice",
-            method="POST",
-            route="/v1/chat",
-            status_code=200,
-            provider="openai_chat",
-            model="m",
-            outcome="cancelled",
-            input_tokens=12,
-            output_tokens=30,
-            usage_source="estimated",
-            produced_bytes=900,
-            delivered_bytes=700,
-            produced_output_tokens=30,
-            delivered_output_tokens=23,
-            time_to_first_event=0.1,
-            duration=1.5,
-            finish_reason=None,
-            error_type=None,
-            started_at=1.0,
-        )
+        record = usage_record(GID)
         backend.record_usage(record)
         if isinstance(backend, DurableBackend):
             await settle(backend)
@@ -557,7 +541,6 @@ async def test_usage_records_are_stored(backend_url: str) -> None:
         assert await backend.usage_of("gen_" + "B" * 24) == []
     finally:
         await backend.aclose()
-
 
 
 async def test_created_at_and_finished_at_read_the_same_live_and_stored(backend_url: str) -> None:

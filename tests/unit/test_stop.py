@@ -303,3 +303,33 @@ async def test_a_stop_across_replicas_stops_the_provider_billing() -> None:
     assert 0 < upstream.tokens_sent < 400
     assert held > 0
     assert upstream.tokens_sent / held < 1.15, (upstream.tokens_sent, held)
+
+
+async def test_stopped_idempotent_work_is_not_stored_as_an_answer() -> None:
+    """With every middleware on: detached work under an Idempotency-Key, its client gone,
+    stopped by its owner. Exactly one record, cancelled; nothing stored for the key, so a
+    retry runs the work again rather than replay a stopped answer."""
+    upstream = Upstream()
+    records: list[UsageRecord] = []
+    app = streaming_app(upstream)
+    install(app, backend=MemoryBackend(), sinks=[records.append], idempotency=True)
+    keyed = [*ALICE, ("idempotency-key", "stop-1")]
+    async with lifespan(app):
+        cut = await drive(app, path="/report", headers=keyed, disconnect_after_bytes=200)
+        generation_id = cut.header("x-generation-id")
+        stop = await drive(
+            app, method="POST", path=f"/generations/{generation_id}/cancel", headers=ALICE
+        )
+        assert stop.status == 200
+        await eventually(lambda: records)
+        upstream.events = 3
+        for _ in range(100):  # the release of the claim lands a moment after the end
+            retry = await drive(app, path="/report", headers=keyed)
+            if retry.status != 409:
+                break
+            await asyncio.sleep(0.01)
+        await eventually(lambda: len(records) == 2)
+    assert [record.outcome for record in records] == ["cancelled", "complete"]
+    assert retry.header("idempotent-replayed") is None
+    assert upstream.opened == 2
+    assert retry.body.endswith(b"data: [DONE]\n\n")
