@@ -24,6 +24,9 @@ from ._policy import Policy, disconnect_policy
 from ._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
 
 if TYPE_CHECKING:
+    from ._telemetry import TelemetryMiddleware
+
+if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from starlette.applications import Starlette
@@ -49,6 +52,7 @@ __all__ = [
     "Reservations",
     "Status",
     "StoredResponse",
+    "TelemetryMiddleware",
     "UsageRecord",
     "UsageSink",
     "connect",
@@ -64,6 +68,15 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+def __getattr__(name: str) -> Any:
+    # OpenTelemetry is optional: its middleware is imported when asked for, not before.
+    if name == "TelemetryMiddleware":
+        from ._telemetry import TelemetryMiddleware
+
+        return TelemetryMiddleware
+    raise AttributeError(f"module 'asgi_disconnect' has no attribute {name!r}")
+
+
 def install(
     app: Starlette,
     *,
@@ -73,6 +86,9 @@ def install(
     tokenizer: Callable[[str], int] = estimate_tokens,
     store_usage: bool = True,
     idempotency: bool | Mapping[str, Any] = False,
+    telemetry: bool = False,
+    tracer_provider: Any = None,
+    meter_provider: Any = None,
     **options: Any,
 ) -> None:
     """Add the package's middleware stack to a Starlette or FastAPI ``app``.
@@ -82,7 +98,20 @@ def install(
     ``provider``, ``reservations``, ``tokenizer``). With ``store_usage`` (the default) each
     record is also written to the backend's usage table. ``idempotency`` (True, or the
     options of :class:`IdempotencyMiddleware`) adds it outside the others, on the same backend.
+    ``telemetry`` (spans and metrics through the global OpenTelemetry providers), or a
+    ``tracer_provider`` / ``meter_provider`` of one's own, adds :class:`TelemetryMiddleware`
+    outside them all (``pip install 'asgi-disconnect[otel]'``).
     """
+    if not isinstance(telemetry, bool):
+        raise TypeError(
+            "telemetry must be True or False; pass tracer_provider= / meter_provider= to use "
+            "providers of your own"
+        )
+    traced = telemetry or tracer_provider is not None or meter_provider is not None
+    if traced:
+        from ._telemetry import require_opentelemetry
+
+        require_opentelemetry()  # now, before anything is added, not at the first request
     for entry in getattr(app, "user_middleware", ()):
         if getattr(entry, "cls", None) in (DisconnectMiddleware, MeteringMiddleware):
             raise RuntimeError(
@@ -108,3 +137,12 @@ def install(
             # One caller identity for claims and generations alike.
             settings.setdefault("principal", options["principal"])
         app.add_middleware(IdempotencyMiddleware, backend=options["backend"], **settings)
+    if traced:
+        from ._telemetry import TelemetryMiddleware
+
+        app.add_middleware(
+            TelemetryMiddleware,
+            tracer_provider=tracer_provider,
+            meter_provider=meter_provider,
+            principal=options.get("principal"),
+        )

@@ -32,6 +32,20 @@ field                  written by
 ``observe``            MeteringMiddleware, when the send it was given is ``app_send``
                        (nothing in between): called with each message the app sends,
                        before DisconnectMiddleware handles it, instead of a wrapped send
+``marks``              an observer (TelemetryMiddleware) that wants the moments of the
+                       exchange, at the start; then :meth:`RequestState.note` by the
+                       middleware that sees each moment (DisconnectMiddleware: client
+                       disconnect, cancelled, detached, stopped, interrupted;
+                       MeteringMiddleware: first event)
+``usage_pending``      MeteringMiddleware, when marks are wanted: a usage record (or
+                       its absence) will be settled for this request
+``usage``              MeteringMiddleware, through :meth:`RequestState.settle_usage`
+``usage_hook``         the observer: called once with the record, or None
+``request_model``      the upstream helpers, from the request they send (when marked)
+``provider_name``      the upstream helpers, from the provider's host (when marked)
+``idempotency``        IdempotencyMiddleware: ``fresh``, ``replayed``, ``attached``,
+                       ``in_flight``, ``mismatch``, ``invalid``, ``unavailable`` or
+                       ``unclaimed`` (the store was down and the request ran unclaimed)
 =====================  ======================================================
 
 No middleware imports another; the stores import only this module and the records.
@@ -44,6 +58,7 @@ import enum
 import hashlib
 import logging
 import os
+import time
 from base64 import urlsafe_b64encode
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
@@ -145,11 +160,18 @@ class RequestState:
         "generation",
         "generation_id",
         "handled",
+        "idempotency",
+        "marks",
         "observe",
         "policy",
         "principal",
+        "provider_name",
+        "request_model",
         "stream_ending",
         "upstreams",
+        "usage",
+        "usage_hook",
+        "usage_pending",
     )
 
     def __init__(self, generation_id: str, principal: str = "") -> None:
@@ -169,6 +191,14 @@ class RequestState:
         self._finalizers: list[Callable[[], object]] | None = []
         self.app_send: Callable[[Any], Awaitable[None]] | None = None
         self.observe: Callable[[Any], None] | None = None
+        # None unless an observer wants them: (moment, Unix time in ns), in order.
+        self.marks: list[tuple[str, int]] | None = None
+        self.usage: UsageRecord | None = None
+        self.usage_pending = False
+        self.usage_hook: Callable[[UsageRecord | None], object] | None = None
+        self.request_model: str | None = None
+        self.provider_name: str | None = None
+        self.idempotency: str | None = None
 
     @property
     def disconnected(self) -> asyncio.Event:
@@ -210,6 +240,26 @@ class RequestState:
             generation.reader = None  # its client reads no more
         for callback in callbacks:
             _call(callback)
+
+    def note(self, moment: str) -> None:
+        """Mark ``moment`` (``client_disconnect``, ``first_event``, ...) now, if wanted."""
+        marks = self.marks
+        if marks is not None:
+            marks.append((moment, time.time_ns()))
+
+    def settle_usage(self, record: UsageRecord | None) -> None:
+        """Metering is done with this request: ``record`` is its usage record, or None if it
+        gets none. Runs the usage hook once; later calls do nothing."""
+        if not self.usage_pending:
+            return
+        self.usage_pending = False
+        self.usage = record
+        hook, self.usage_hook = self.usage_hook, None
+        if hook is not None:
+            try:
+                hook(record)
+            except Exception:
+                logger.exception("a usage hook failed")
 
     def track(self, upstream: Closable) -> None:
         self.upstreams.append(upstream)

@@ -56,6 +56,7 @@ _KEEP_ALIVE = b": keep-alive\n\n"
 def _ignore_loss(reason: str) -> None:
     """A writer's ``on_lost`` once its exchange is over."""
 
+
 logger = logging.getLogger("asgi_disconnect")
 
 _DISCONNECT: Message = {"type": "http.disconnect"}
@@ -421,6 +422,7 @@ class _Exchange:
                 self.app_outcome = "interrupted"
                 if generation is not None and generation.running:
                     self.mw.counters.interrupted += 1
+                self.state.note("interrupted")
                 self._record_end(_STATUS_INTERRUPTED, self.interrupt_reason)
         else:
             self.app_outcome = "failed"
@@ -495,9 +497,7 @@ class _Exchange:
         generation = self.generation
         if generation is None or not generation.running:
             return
-        if (status is _STATUS_FAILED or self.stopped) and is_event_stream(
-            generation.content_type
-        ):
+        if (status is _STATUS_FAILED or self.stopped) and is_event_stream(generation.content_type):
             if not framed:
                 generation.append(error_frame(generation.id, code, frame or error))
             generation.finish(status, error)
@@ -746,6 +746,7 @@ class _Exchange:
         if reason != "error":
             state.disconnect_reason = reason
             state.disconnected.set()
+            state.note("client_disconnect")
             mw.counters.disconnects += 1
         if runner.done() or self._delivered():
             return
@@ -767,6 +768,7 @@ class _Exchange:
             generation.policy = policy.value
         if reason != "error":
             mw.counters.cancelled += 1
+        state.note("cancelled")
         self.cancelled_by_policy = True
         runner.cancel()
         waiter = self.inbox_waiter
@@ -790,6 +792,7 @@ class _Exchange:
         if generation is not None:
             generation.policy = Policy.CANCEL.value
         self.mw.counters.stopped += 1
+        state.note("stopped")
         self.cancelled_by_policy = True
         runner.cancel()
         waiter = self.inbox_waiter
@@ -803,6 +806,7 @@ class _Exchange:
         state = self.state
         state.policy = policy
         state.detached = True
+        state.note("detached")
         self.mw.counters.detached += 1
         generation = self.generation
         if generation is not None:

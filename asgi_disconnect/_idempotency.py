@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import parse_qsl
 
 from ._aio import shielded
-from ._contract import RequestState, default_principal, request_state
+from ._contract import SCOPE_KEY, RequestState, default_principal, request_state
 from ._errors import AsgiDisconnectError
 from ._lifecycle import lifecycle_of
 from ._problem import problem_body, send_problem
@@ -68,6 +68,20 @@ class _Refusal(Exception):
         self.title = title
         self.detail = detail
         self.retry_after = retry_after
+
+
+# What a refusal tells an observer of the request (RequestState.idempotency).
+_REFUSED = {
+    "idempotency-key-reused": "mismatch",
+    "idempotency-request-in-progress": "in_flight",
+    "idempotency-store-unavailable": "unavailable",
+}
+
+
+def _outcome(scope: Scope, outcome: str) -> None:
+    state = scope.get(SCOPE_KEY)
+    if isinstance(state, RequestState):
+        state.idempotency = outcome
 
 
 def parse_key(values: list[bytes]) -> str:
@@ -447,6 +461,7 @@ class IdempotencyMiddleware:
         try:
             await self._idempotent(scope, receive, send, values)
         except _Refusal as refusal:
+            _outcome(scope, _REFUSED.get(refusal.slug, "invalid"))
             headers = []
             if refusal.retry_after:
                 headers.append((b"retry-after", str(refusal.retry_after).encode()))
@@ -524,6 +539,7 @@ class IdempotencyMiddleware:
             )
             if self.fail_open:
                 logger.warning("idempotency store unreachable (%s); running unclaimed", exc)
+                _outcome(scope, "unclaimed")
                 await self.app(scope, _replay_receive(body, receive), send)
                 return
             raise _Refusal(
@@ -541,6 +557,7 @@ class IdempotencyMiddleware:
                 "This key was used with another request; use a new key for a new request.",
             )
         if claim.state is ClaimState.RUNNING and self.attach and claim.generation_id:
+            _outcome(scope, "attached")
             await self._attach(claim.generation_id, send)
             return
         if claim.state is ClaimState.RUNNING:
@@ -552,8 +569,10 @@ class IdempotencyMiddleware:
                 retry_after=max(1, math.ceil(claim.retry_after or 1)),
             )
         if claim.state is ClaimState.COMPLETED:
+            _outcome(scope, "replayed")
             await self._replay(claim, send)
             return
+        _outcome(scope, "fresh")
         await self._run_claimed(scope, receive, send, principal, key, owner, body)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:

@@ -121,6 +121,8 @@ class MeteringMiddleware:
         state = scope.get("asgi_disconnect")
         if not isinstance(state, RequestState):
             state = None
+        elif state.marks is not None:
+            state.usage_pending = True  # an observer waits for this request's record
         provider = self.provider(scope) if callable(self.provider) else self.provider
         tee = _Tee(scope, provider, time.time(), time.monotonic(), state)
         reservation: Any = None
@@ -157,9 +159,7 @@ class MeteringMiddleware:
             else:
                 await shielded(self._emit(scope, tee, None, reservation))
 
-    def _finished(
-        self, scope: Scope, tee: _Tee, state: RequestState, reservation: Any
-    ) -> None:
+    def _finished(self, scope: Scope, tee: _Tee, state: RequestState, reservation: Any) -> None:
         """The exchange is over: emit its record now when nothing in it waits (no
         reservation to settle, a short text to count, sinks that return nothing), else
         queue the emission for the one emitter task."""
@@ -169,12 +169,16 @@ class MeteringMiddleware:
         try:
             report = tee.report()
             if not tee.wanted(report):
+                if state.usage_pending:
+                    state.settle_usage(None)
                 return
             record = self._build(scope, tee, state, report, None)
         except Exception:
             logger.exception("analysing the response failed; its usage is recorded as unknown")
             record = self._unknown(scope, tee, state)
         self.records += 1
+        if state.usage_pending:
+            state.settle_usage(record)
         for waiting in self._to_sinks(record):
             self._queue(waiting)
 
@@ -230,12 +234,16 @@ class MeteringMiddleware:
         try:
             report = tee.report()
             if reservation is None and not tee.wanted(report):
+                if state is not None:
+                    state.settle_usage(None)
                 return
             record = await self._record(scope, tee, state, report)
         except Exception:
             logger.exception("analysing the response failed; its usage is recorded as unknown")
             record = self._unknown(scope, tee, state)
         self.records += 1
+        if state is not None:
+            state.settle_usage(record)
         if self.reservations is not None:
             try:
                 await self.reservations.settle(reservation, record)
@@ -327,7 +335,6 @@ class MeteringMiddleware:
         )
 
 
-
 class _Tee:
     """The synchronous side of metering: a meter fed with every produced body byte."""
 
@@ -387,6 +394,9 @@ class _Tee:
                 meter.feed(body)
                 if self.first_event is None and meter.event_count:
                     self.first_event = time.monotonic() - self.started
+                    state = self.state
+                    if state is not None and state.marks is not None:
+                        state.note("first_event")
             elif self._json and self.produced <= _JSON_LIMIT:
                 self.chunks.append(body)
         elif kind == "http.response.start":
@@ -507,9 +517,7 @@ def _json_report(body: bytes, provider: str | None) -> tuple[Any, bool]:
         fmt = provider
     unset = msgspec.UNSET
     recognized = fmt is not provider or (
-        payload.usage is not unset
-        or payload.usageMetadata is not unset
-        or choices is not unset
+        payload.usage is not unset or payload.usageMetadata is not unset or choices is not unset
     )
     report = StreamReport(
         provider_format=fmt,

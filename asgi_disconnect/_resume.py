@@ -258,9 +258,7 @@ class ResumeEndpoints:
                 "The resume token is expired, or was not made for this generation.",
             )
             return
-        readable = owner is not None and (
-            granted is True or owner == (self.principal(scope) or "")
-        )
+        readable = owner is not None and (granted is True or owner == (self.principal(scope) or ""))
         info = await self.backend.get(generation_id) if readable else None
         if info is None:
             await send_problem(

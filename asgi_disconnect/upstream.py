@@ -104,7 +104,51 @@ def track(upstream: Closable) -> bool:
 
 async def track_response(response: Closable) -> None:
     """An httpx (or httpx2) ``response`` event hook that calls :func:`track`."""
-    track(response)
+    if track(response):
+        _describe(getattr(response, "request", None))
+
+
+# Provider hosts, by the names of the OpenTelemetry GenAI conventions (gen_ai.provider.name).
+_PROVIDER_HOSTS = {
+    "api.openai.com": "openai",
+    "api.anthropic.com": "anthropic",
+    "api.groq.com": "groq",
+    "openrouter.ai": "openrouter",
+    "generativelanguage.googleapis.com": "gcp.gemini",
+    "api.mistral.ai": "mistral_ai",
+    "api.deepseek.com": "deepseek",
+    "api.x.ai": "x_ai",
+    "api.perplexity.ai": "perplexity",
+    "api.cohere.com": "cohere",
+}
+
+
+class _RequestBody(msgspec.Struct):
+    model: Any = None
+
+
+_REQUEST_BODY = msgspec.json.Decoder(_RequestBody)
+
+
+def _describe(request: Any) -> None:
+    """Tell an observer of the current request (telemetry) the model asked for and the
+    provider's name, from the upstream request; nothing when nobody observes."""
+    state = current_state.get()
+    if state is None or state.marks is None or request is None:
+        return
+    try:
+        host = request.url.host
+        body = request.content  # raises for a streamed body: then the model stays unknown
+    except Exception:
+        return
+    state.provider_name = state.provider_name or _PROVIDER_HOSTS.get(host)
+    if state.request_model is None and body[:1] == b"{":
+        try:
+            model = _REQUEST_BODY.decode(body).model
+        except msgspec.DecodeError:
+            return
+        if isinstance(model, str):
+            state.request_model = model
 
 
 _ERROR_BODY = 64 << 10
@@ -137,7 +181,8 @@ async def open_stream(
         raise FirstTokenTimeout(
             f"the upstream sent no headers within {first_token_timeout:g} s"
         ) from None
-    track(response)
+    if track(response):
+        _describe(request)
     if not 200 <= response.status_code < 300:
         try:
             async with asyncio.timeout_at(first_deadline):
@@ -210,9 +255,7 @@ class UpstreamStream:
             ending = meter.ending()
             if ending == "error":
                 report = meter.report()
-                raise UpstreamStreamError(
-                    "the upstream sent an error event", error=report.error
-                )
+                raise UpstreamStreamError("the upstream sent an error event", error=report.error)
             if ending == "truncated":
                 raise TruncatedStream("the upstream body ended without its terminal marker")
         finally:

@@ -607,9 +607,7 @@ class DurableBackend:
         tracked = self._live.get(generation_id)
         if tracked is not None:
             on_cancel = self.on_cancel
-            return on_cancel is not None and tracked.generation.running and on_cancel(
-                generation_id
-            )
+            return on_cancel is not None and tracked.generation.running and on_cancel(generation_id)
         await self._ensure_open()
         return await self.store.request_cancel(generation_id)
 
