@@ -22,6 +22,7 @@ from ._idempotency import IdempotencyKeyRequired, IdempotencyMiddleware, idempot
 from ._metering import MeteringMiddleware, estimate_tokens, metered
 from ._policy import Policy, disconnect_policy
 from ._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
+from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
     from ._telemetry import TelemetryMiddleware
@@ -65,7 +66,6 @@ __all__ = [
     "once",
 ]
 
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:

@@ -46,6 +46,8 @@ field                  written by
 ``idempotency``        IdempotencyMiddleware: ``fresh``, ``replayed``, ``attached``,
                        ``in_flight``, ``mismatch``, ``invalid``, ``unavailable`` or
                        ``unclaimed`` (the store was down and the request ran unclaimed)
+``response_status``    a middleware that answers the request itself (IdempotencyMiddleware's
+                       replays and refusals); a generation's response has its own
 =====================  ======================================================
 
 No middleware imports another; the stores import only this module and the records.
@@ -167,6 +169,7 @@ class RequestState:
         "principal",
         "provider_name",
         "request_model",
+        "response_status",
         "stream_ending",
         "upstreams",
         "usage",
@@ -199,6 +202,7 @@ class RequestState:
         self.request_model: str | None = None
         self.provider_name: str | None = None
         self.idempotency: str | None = None
+        self.response_status: int | None = None
 
     @property
     def disconnected(self) -> asyncio.Event:

@@ -78,10 +78,14 @@ _REFUSED = {
 }
 
 
-def _outcome(scope: Scope, outcome: str) -> None:
+def _outcome(scope: Scope, outcome: str, status: int | None = None) -> None:
+    """Tell an observer of the request how its key was handled, and the status of the
+    answer this middleware sent itself (a replay, a refusal)."""
     state = scope.get(SCOPE_KEY)
     if isinstance(state, RequestState):
         state.idempotency = outcome
+        if status is not None:
+            state.response_status = status
 
 
 def parse_key(values: list[bytes]) -> str:
@@ -461,7 +465,7 @@ class IdempotencyMiddleware:
         try:
             await self._idempotent(scope, receive, send, values)
         except _Refusal as refusal:
-            _outcome(scope, _REFUSED.get(refusal.slug, "invalid"))
+            _outcome(scope, _REFUSED.get(refusal.slug, "invalid"), refusal.status)
             headers = []
             if refusal.retry_after:
                 headers.append((b"retry-after", str(refusal.retry_after).encode()))
@@ -569,7 +573,7 @@ class IdempotencyMiddleware:
                 retry_after=max(1, math.ceil(claim.retry_after or 1)),
             )
         if claim.state is ClaimState.COMPLETED:
-            _outcome(scope, "replayed")
+            _outcome(scope, "replayed", claim.response.status if claim.response else None)
             await self._replay(claim, send)
             return
         _outcome(scope, "fresh")

@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 from ._contract import Principal, RequestState, default_principal, request_state
 from ._lifecycle import lifecycle_of
+from ._version import __version__
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
     from ._records import UsageRecord
 
@@ -140,8 +141,6 @@ class TelemetryMiddleware:
         require_opentelemetry()
         from opentelemetry import context, metrics, propagate, trace
 
-        from . import __version__
-
         self.app = app
         self.principal = principal or default_principal
         self.latest = semconv_latest()
@@ -153,6 +152,10 @@ class TelemetryMiddleware:
         self._context = context
         self._propagate = propagate
         self._getter = _header_getter()
+        # The headers the global propagator reads: a request without any is not parsed.
+        self._fields = frozenset(
+            field.lower().encode("latin-1") for field in propagate.get_global_textmap().fields
+        )
         self._server = trace.SpanKind.SERVER
         self._internal = trace.SpanKind.INTERNAL
         self._error = trace.StatusCode.ERROR
@@ -237,7 +240,10 @@ class TelemetryMiddleware:
             kind = self._internal  # an outer instrumentation's span is the server span
         else:
             kind = self._server
-            parent = self._propagate.extract(scope["headers"], parent, getter=self._getter)
+            headers = scope["headers"]
+            fields = self._fields
+            if any(name in fields for name, _ in headers):
+                parent = self._propagate.extract(headers, parent, getter=self._getter)
         method = scope["method"]
         span = self.tracer.start_span(
             method,
@@ -250,32 +256,20 @@ class TelemetryMiddleware:
             },
         )
         token = self._context.attach(trace.set_span_in_context(span, parent))
-        status: list[int] = []
-
-        async def traced_send(message: Message) -> None:
-            if not status and message["type"] == "http.response.start":
-                status.append(message["status"])
-            await send(message)
-
         self.in_flight += 1
         failure: BaseException | None = None
         try:
-            await self.app(scope, receive, traced_send)
+            await self.app(scope, receive, send)
         except BaseException as exc:
             failure = exc
             raise
         finally:
             self._context.detach(token)
             self.in_flight -= 1
-            self._response_over(span, scope, state, status[0] if status else None, failure)
+            self._response_over(span, scope, state, failure)
 
     def _response_over(
-        self,
-        span: Any,
-        scope: Scope,
-        state: RequestState,
-        status: int | None,
-        failure: BaseException | None,
+        self, span: Any, scope: Scope, state: RequestState, failure: BaseException | None
     ) -> None:
         ended = time.time_ns()
         marks = state.marks or []
@@ -292,20 +286,17 @@ class TelemetryMiddleware:
                 [self._trace.Link(span.get_span_context())],
                 detached_at,
             )
-            self._end_span(span, scope, state, status, failure, None, marks, ended, False)
+            self._end_span(span, scope, state, failure, None, marks, ended, False)
             self._when_settled(
                 state,
                 lambda record: self._end_span(
-                    continuation, scope, state, status, None, record, state.marks or [],
-                    None, True,
+                    continuation, scope, state, None, record, state.marks or [], None, True
                 ),
-            )  # fmt: skip
+            )
             return
         self._when_settled(
             state,
-            lambda record: self._end_span(
-                span, scope, state, status, failure, record, marks, ended, True
-            ),
+            lambda record: self._end_span(span, scope, state, failure, record, marks, ended, True),
         )
 
     @staticmethod
@@ -339,7 +330,6 @@ class TelemetryMiddleware:
         span: Any,
         scope: Scope,
         state: RequestState,
-        status: int | None,
         failure: BaseException | None,
         record: UsageRecord | None,
         marks: list[tuple[str, int]],
@@ -348,71 +338,84 @@ class TelemetryMiddleware:
     ) -> None:
         """Put what is known on ``span`` and end it; ``last``: the work is over, so its
         record and the generation's status are counted (once per request)."""
-        route = _route(scope)
-        attributes: dict[str, Any] = {"asgi_disconnect.generation.id": state.generation_id}
-        if route:
-            attributes["http.route"] = route
-        generation = state.generation
-        if status is None and generation is not None:
-            status = generation.status_code
-        if status is not None:
-            attributes["http.response.status_code"] = status
-        policy = state.policy.value if state.policy is not None else ""
-        if policy:
-            attributes["asgi_disconnect.policy"] = policy
-        attributes["asgi_disconnect.detached"] = state.detached
-        if state.ending is not None:
-            attributes["asgi_disconnect.ending"] = state.ending.value
-        if state.idempotency is not None:
-            attributes["asgi_disconnect.idempotency.outcome"] = state.idempotency
-        attributes["asgi_disconnect.produced.bytes"] = state.produced_bytes
-        attributes["asgi_disconnect.delivered.bytes"] = state.delivered_bytes
         error_type = None
         if failure is not None and not isinstance(failure, asyncio.CancelledError):
             error_type = getattr(failure, "error_type", None) or type(failure).__qualname__
+        generation = state.generation
         generation_status = generation.status.value if generation is not None else None
-        if last and generation_status is not None:
-            attributes["asgi_disconnect.generation.status"] = generation_status
         genai: dict[str, Any] | None = None
         if record is not None:
-            attributes["asgi_disconnect.outcome"] = record.outcome
-            attributes["asgi_disconnect.usage.source"] = record.usage_source
-            if record.produced_output_tokens is not None:
-                attributes["asgi_disconnect.produced.output_tokens"] = record.produced_output_tokens
-            if record.delivered_output_tokens is not None:
-                attributes["asgi_disconnect.delivered.output_tokens"] = (
-                    record.delivered_output_tokens
-                )
             error_type = error_type or record.error_type
             if error_type is None and record.outcome in _FAILED_OUTCOMES:
                 error_type = record.outcome
             genai = self._genai(state, record, error_type)
-            attributes.update(genai)
-            if record.usage_source == "provider":
-                if record.input_tokens is not None:
-                    attributes["gen_ai.usage.input_tokens"] = record.input_tokens
-                if record.output_tokens is not None:
-                    attributes["gen_ai.usage.output_tokens"] = record.output_tokens
-            if record.finish_reason:
-                attributes["gen_ai.response.finish_reasons"] = (record.finish_reason,)
         elif last and generation_status == "interrupted":
             error_type = "interrupted"
-        if error_type is not None:
-            attributes["error.type"] = error_type
         if span.is_recording():
-            if route and span.name == scope["method"]:
-                span.update_name(_span_name(scope))
+            status = generation.status_code if generation is not None else state.response_status
+            attributes = self._attributes(state, record, genai, status, generation_status, last)
+            if error_type is not None:
+                attributes["error.type"] = error_type
+            route = _route(scope)
+            if route:
+                attributes["http.route"] = route
+                if span.name == scope["method"]:  # the request span, named before routing
+                    span.update_name(_span_name(scope))
             span.set_attributes(attributes)
             for name, at in marks:
                 span.add_event("asgi_disconnect." + name, timestamp=at)
             if error_type is not None or (status or 0) >= 500:
-                description = error_type or f"HTTP {status}"
                 if failure is not None and not isinstance(failure, asyncio.CancelledError):
                     span.record_exception(failure)
-                span.set_status(self._error, description)
+                span.set_status(self._error, error_type or f"HTTP {status}")
         span.end(end_time)
         if last:
-            self._count_end(state, route, policy, record, genai)
+            self._count_end(state, _route(scope), record, genai)
+
+    @staticmethod
+    def _attributes(
+        state: RequestState,
+        record: UsageRecord | None,
+        genai: dict[str, Any] | None,
+        status: int | None,
+        generation_status: str | None,
+        last: bool,
+    ) -> dict[str, Any]:
+        """A recorded span's attributes (an unsampled span gets none built)."""
+        attributes: dict[str, Any] = {
+            "asgi_disconnect.generation.id": state.generation_id,
+            "asgi_disconnect.detached": state.detached,
+            "asgi_disconnect.produced.bytes": state.produced_bytes,
+            "asgi_disconnect.delivered.bytes": state.delivered_bytes,
+        }
+        if status is not None:
+            attributes["http.response.status_code"] = status
+        if state.policy is not None:
+            attributes["asgi_disconnect.policy"] = state.policy.value
+        if state.ending is not None:
+            attributes["asgi_disconnect.ending"] = state.ending.value
+        if state.idempotency is not None:
+            attributes["asgi_disconnect.idempotency.outcome"] = state.idempotency
+        if last and generation_status is not None:
+            attributes["asgi_disconnect.generation.status"] = generation_status
+        if record is None:
+            return attributes
+        attributes["asgi_disconnect.outcome"] = record.outcome
+        attributes["asgi_disconnect.usage.source"] = record.usage_source
+        if record.produced_output_tokens is not None:
+            attributes["asgi_disconnect.produced.output_tokens"] = record.produced_output_tokens
+        if record.delivered_output_tokens is not None:
+            attributes["asgi_disconnect.delivered.output_tokens"] = record.delivered_output_tokens
+        if genai:
+            attributes.update(genai)
+        if record.usage_source == "provider":
+            if record.input_tokens is not None:
+                attributes["gen_ai.usage.input_tokens"] = record.input_tokens
+            if record.output_tokens is not None:
+                attributes["gen_ai.usage.output_tokens"] = record.output_tokens
+        if record.finish_reason:
+            attributes["gen_ai.response.finish_reasons"] = (record.finish_reason,)
+        return attributes
 
     def _genai(
         self, state: RequestState, record: UsageRecord, error_type: str | None
@@ -438,12 +441,11 @@ class TelemetryMiddleware:
         self,
         state: RequestState,
         route: str,
-        policy: str,
         record: UsageRecord | None,
         genai: dict[str, Any] | None,
     ) -> None:
         counts = self.counts
-        key = (route, policy)
+        key = (route, state.policy.value if state.policy is not None else "")
         if state.ending == "cancelled":
             counts["asgi_disconnect.requests.cancelled"].add(1, _POLICY_NAMES, key)
         generation = state.generation

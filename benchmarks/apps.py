@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
@@ -72,7 +73,7 @@ def correlation_app() -> object:
     return CorrelationIdMiddleware(make_app())
 
 
-def _tracer_provider() -> object:
+def _tracer_provider(sampler: Any = None) -> object:
     """An SDK tracer provider whose spans are batched and dropped, as an exporter's would be
     batched and sent: the spans are made and ended; nothing leaves the process."""
     from opentelemetry.sdk.trace import TracerProvider
@@ -86,9 +87,54 @@ def _tracer_provider() -> object:
         def export(self, spans: object) -> SpanExportResult:
             return SpanExportResult.SUCCESS
 
-    provider = TracerProvider()
+    provider = TracerProvider(sampler=sampler) if sampler is not None else TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(Drop()))
     return provider
+
+
+def _meter_provider() -> object:
+    """An SDK meter provider with a periodic reader whose exports are dropped."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        MetricExporter,
+        MetricExportResult,
+        PeriodicExportingMetricReader,
+    )
+
+    class Drop(MetricExporter):
+        def export(self, metrics_data: object, **kwargs: object) -> MetricExportResult:
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return True
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: object) -> None:
+            pass
+
+    return MeterProvider(metric_readers=[PeriodicExportingMetricReader(Drop())])
+
+
+def installed_telemetry_app(sampler: object = None) -> Starlette:
+    """``install()`` with telemetry on: real SDK providers, spans through a batch processor."""
+    from asgi_disconnect import install
+
+    tracer_provider = _tracer_provider(sampler)
+    app = make_app()
+    install(
+        app,
+        backend=MemoryBackend(max_generations=1000),
+        tracer_provider=tracer_provider,
+        meter_provider=_meter_provider(),
+    )
+    return app
+
+
+def installed_telemetry_sampled_app() -> Starlette:
+    """The same, keeping one trace in a hundred (``ParentBased(TraceIdRatioBased(0.01))``),
+    as a busy gateway would: unsampled requests make no span, metrics stay whole."""
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    return installed_telemetry_app(ParentBased(TraceIdRatioBased(0.01)))
 
 
 def otel_app() -> object:
@@ -115,4 +161,6 @@ APPS: dict[str, tuple[str, bool]] = {
     "otel-request-span": ("benchmarks.apps:otel_request_only_app", True),
     "disconnect": ("benchmarks.apps:wrapped_app", False),
     "install": ("benchmarks.apps:installed_app", True),
+    "install-telemetry": ("benchmarks.apps:installed_telemetry_app", True),
+    "install-telemetry-sampled": ("benchmarks.apps:installed_telemetry_sampled_app", True),
 }

@@ -26,6 +26,7 @@ MIDDLEWARES = {
     "DisconnectMiddleware": {"_disconnect", "_writer"},
     "IdempotencyMiddleware": {"_idempotency"},
     "MeteringMiddleware": {"_metering"},
+    "TelemetryMiddleware": {"_telemetry"},
 }
 CONTRACT_SIDE = {"_contract", "_records", "_errors", "_log"}
 

@@ -51,6 +51,16 @@ def stream_app(chunks: int = 1000, interval: float = 0.0) -> Starlette:
     async def report(request: Request) -> StreamingResponse:
         return StreamingResponse(body(), media_type="text/event-stream")
 
+    async def completion(request: Request) -> JSONResponse:
+        return JSONResponse(
+            {
+                "object": "chat.completion",
+                "model": "gpt-4o-2024-08-06",
+                "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+            }
+        )
+
     async def boom(request: Request) -> JSONResponse:
         raise RuntimeError("the handler failed")
 
@@ -63,6 +73,7 @@ def stream_app(chunks: int = 1000, interval: float = 0.0) -> Starlette:
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/reports", report, methods=["POST"]),
             Route("/v1/messages", recorded, methods=["POST"]),
+            Route("/v1/completion", completion),
             Route("/boom", boom),
         ]
     )
