@@ -17,6 +17,7 @@ from ._contract import (
     default_principal,
 )
 from ._disconnect import DisconnectMiddleware
+from ._drain import DrainMiddleware
 from ._errors import AsgiDisconnectError
 from ._idempotency import IdempotencyKeyRequired, IdempotencyMiddleware, idempotent
 from ._metering import MeteringMiddleware, estimate_tokens, metered
@@ -41,6 +42,7 @@ __all__ = [
     "ClaimState",
     "ClaimStore",
     "DisconnectMiddleware",
+    "DrainMiddleware",
     "DurableBackend",
     "Ending",
     "GenerationInfo",
@@ -67,7 +69,6 @@ __all__ = [
 ]
 
 
-
 def __getattr__(name: str) -> Any:
     # OpenTelemetry is optional: its middleware is imported when asked for, not before.
     if name == "TelemetryMiddleware":
@@ -86,6 +87,7 @@ def install(
     tokenizer: Callable[[str], int] = estimate_tokens,
     store_usage: bool = True,
     idempotency: bool | Mapping[str, Any] = False,
+    drain: bool | Mapping[str, Any] = False,
     telemetry: bool = False,
     tracer_provider: Any = None,
     meter_provider: Any = None,
@@ -98,9 +100,10 @@ def install(
     ``provider``, ``reservations``, ``tokenizer``). With ``store_usage`` (the default) each
     record is also written to the backend's usage table. ``idempotency`` (True, or the
     options of :class:`IdempotencyMiddleware`) adds it outside the others, on the same backend.
-    ``telemetry`` (spans and metrics through the global OpenTelemetry providers), or a
-    ``tracer_provider`` / ``meter_provider`` of one's own, adds :class:`TelemetryMiddleware`
-    outside them all (``pip install 'asgi-disconnect[otel]'``).
+    ``drain`` (True, or the options of :class:`DrainMiddleware`) adds it outside those, with
+    the same ``resume_prefix``. ``telemetry`` (spans and metrics through the global
+    OpenTelemetry providers), or a ``tracer_provider`` / ``meter_provider`` of one's own,
+    adds :class:`TelemetryMiddleware` outside them all (``pip install 'asgi-disconnect[otel]'``).
     """
     if not isinstance(telemetry, bool):
         raise TypeError(
@@ -113,7 +116,11 @@ def install(
 
         require_opentelemetry()  # now, before anything is added, not at the first request
     for entry in getattr(app, "user_middleware", ()):
-        if getattr(entry, "cls", None) in (DisconnectMiddleware, MeteringMiddleware):
+        if getattr(entry, "cls", None) in (
+            DisconnectMiddleware,
+            MeteringMiddleware,
+            DrainMiddleware,
+        ):
             raise RuntimeError(
                 "install() was already called on this app (or one of its middlewares was "
                 "added by hand); add the stack once"
@@ -137,6 +144,10 @@ def install(
             # One caller identity for claims and generations alike.
             settings.setdefault("principal", options["principal"])
         app.add_middleware(IdempotencyMiddleware, backend=options["backend"], **settings)
+    if drain:
+        settings = dict(drain) if isinstance(drain, Mapping) else {}
+        settings.setdefault("resume_prefix", options.get("resume_prefix", "/generations"))
+        app.add_middleware(DrainMiddleware, **settings)
     if traced:
         from ._telemetry import TelemetryMiddleware
 

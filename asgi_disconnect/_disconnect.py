@@ -65,6 +65,7 @@ _GENERATION_HEADER = b"x-generation-id"
 _ROUTE_MEMO_SIZE = 4096
 # How long a request cancelled by the server waits for its app to run its finally blocks.
 _TEARDOWN_TIMEOUT = 5.0
+_DRAIN_POLL = 0.05
 # Enum members read on hot paths, bound once (a member lookup costs ~50 ns).
 _DONE = Delivery.DONE
 _FINAL = Delivery.FINAL
@@ -89,6 +90,7 @@ class Counters:
         "detach_completed",
         "detached",
         "disconnects",
+        "drained",
         "interrupted",
         "policy_errors",
         "stopped",
@@ -100,6 +102,7 @@ class Counters:
         self.detached = 0
         self.detach_completed = 0
         self.interrupted = 0
+        self.drained = 0
         self.policy_errors = 0
         self.stopped = 0
 
@@ -234,6 +237,7 @@ class DisconnectMiddleware:
                 stop_admitting=self._stop_admitting,
                 finish=self._finish_generations,
                 close=self.backend.aclose,
+                drain=self._drain,
             )
             if owner:
                 await lifecycle.serve(self.app, scope, receive, send)
@@ -253,6 +257,30 @@ class DisconnectMiddleware:
     async def _finish_generations(self) -> None:
         # Before the app's own shutdown, so its resources (upstream clients) are still open.
         await self.supervisor.drain(self.shutdown_timeout)
+
+    async def _drain(self, deadline: float, retry_after: int) -> None:
+        """A drain: let running work end until ``deadline`` (the loop's clock), then end
+        what is left as interrupted, a stream its client still reads with an error frame
+        that says to retry after ``retry_after`` seconds."""
+        loop = asyncio.get_running_loop()
+        while (self._running or len(self.supervisor)) and loop.time() < deadline:
+            await asyncio.sleep(_DRAIN_POLL)
+        tasks = self.supervisor.tasks()
+        drained = [
+            exchange for exchange in list(self._running.values()) if exchange.drain(retry_after)
+        ]
+        ended = {exchange.app_task for exchange in drained}
+        tasks = [task for task in tasks if task not in ended and not task.done()]
+        for task in tasks:
+            task.cancel()  # detached work whose response never started
+        if drained or tasks:
+            logger.warning(
+                "drain deadline reached: %d running generation(s) interrupted",
+                len(drained) + len(tasks),
+            )
+        end = loop.time() + _TEARDOWN_TIMEOUT
+        while (self._running or len(self.supervisor)) and loop.time() < end:
+            await asyncio.sleep(_DRAIN_POLL)
 
     def _stop(self, generation_id: str) -> bool:
         """Stop a generation running here on its owner's request (``POST .../cancel``)."""
@@ -331,6 +359,7 @@ class _Exchange:
         "cancelled_by_policy",
         "client_gone",
         "delivery",
+        "drained",
         "expect_trailers",
         "generation",
         "inbox",
@@ -392,6 +421,7 @@ class _Exchange:
         # Metering's observer (RequestState.observe), taken at the response start.
         self.observe: Callable[[Message], None] | None = None
         self.stopped = False  # its owner asked to stop it (POST .../cancel)
+        self.drained: int | None = None  # a drain ended it: retry after that many seconds
         self.keep_alive_seen = 0  # the log's size at the last keep-alive tick
         self.keep_alive_handle: asyncio.TimerHandle | None = None
 
@@ -497,9 +527,16 @@ class _Exchange:
         generation = self.generation
         if generation is None or not generation.running:
             return
-        if (status is _STATUS_FAILED or self.stopped) and is_event_stream(generation.content_type):
+        drained = self.drained
+        if (status is _STATUS_FAILED or self.stopped or drained is not None) and is_event_stream(
+            generation.content_type
+        ):
+            if drained is not None:
+                code, frame = "draining", "The server is draining; retry on another replica."
             if not framed:
-                generation.append(error_frame(generation.id, code, frame or error))
+                generation.append(
+                    error_frame(generation.id, code, frame or error, retry_after=drained)
+                )
             generation.finish(status, error)
             self._deliver_rest()
             return
@@ -800,6 +837,23 @@ class _Exchange:
             waiter.set_result(None)
         if state.upstreams:
             self.mw.supervisor.spawn(state.close_upstreams())
+        return True
+
+    def drain(self, retry_after: int) -> bool:
+        """End the work at a drain's deadline, as interrupted; True if it was running."""
+        runner = self.app_task or self.request_task
+        if self.app_outcome is not None or runner is None or runner.done():
+            return False
+        self.drained = retry_after
+        self.interrupt_reason = "interrupted by a drain: the server is shutting down"
+        self.state.note("drained")
+        self.mw.counters.drained += 1
+        runner.cancel()
+        waiter = self.inbox_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if self.state.upstreams:
+            self.mw.supervisor.spawn(self.state.close_upstreams())
         return True
 
     def _detach(self, policy: Policy) -> None:

@@ -13,6 +13,9 @@ app's own shutdown, the phases in this order:
 4. ``close``: the backend persists what is pending and closes.
 
 A hook that fails is logged and the next one runs: a shutdown always reaches ``close``.
+
+A drain (:class:`DrainMiddleware`, before the server's own shutdown) calls the ``drain``
+hooks: each lets its running work end until the deadline, then interrupts what is left.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = ["Lifecycle", "Phase", "lifecycle_of"]
 logger = logging.getLogger("asgi_disconnect")
 
 Hook = Callable[[], Awaitable[None] | None]
+DrainHook = Callable[[float, int], Awaitable[None]]
 
 
 class Phase(enum.IntEnum):
@@ -53,6 +57,7 @@ class Lifecycle:
     def __init__(self) -> None:
         self.startup: list[tuple[str, Hook]] = []
         self.shutdown: list[tuple[Phase, int, str, Hook]] = []
+        self.drains: list[tuple[str, DrainHook]] = []
         self.parts: list[str] = []
         self.started = False
         self.stopping = False
@@ -64,9 +69,11 @@ class Lifecycle:
         *,
         unique: bool = False,
         startup: Hook | None = None,
+        drain: DrainHook | None = None,
         **phases: Hook,
     ) -> None:
-        """Add ``part``'s hooks; ``phases`` are named after :class:`Phase` in lower case.
+        """Add ``part``'s hooks; ``phases`` are named after :class:`Phase` in lower case;
+        ``drain(deadline, retry_after)``: see :meth:`drain`.
 
         ``unique`` parts may appear once per app: a second one fails the startup.
         """
@@ -75,6 +82,8 @@ class Lifecycle:
         self.parts.append(part)
         if startup is not None:
             self.startup.append((part, startup))
+        if drain is not None:
+            self.drains.append((part, drain))
         for name, hook in phases.items():
             self.shutdown.append((Phase[name.upper()], len(self.shutdown), part, hook))
 
@@ -100,6 +109,15 @@ class Lifecycle:
             except Exception:
                 logger.exception("%s failed during shutdown (%s)", part, phase.name.lower())
         self.stopped = True
+
+    async def drain(self, deadline: float, retry_after: int) -> None:
+        """Let running work end until ``deadline`` (the event loop's clock), then interrupt
+        what is left, telling clients to retry after ``retry_after`` seconds."""
+        for part, hook in self.drains:
+            try:
+                await hook(deadline, retry_after)
+            except Exception:
+                logger.exception("%s failed during a drain", part)
 
     async def serve(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         """Run the lifespan protocol of ``app`` with this lifecycle's hooks around it."""

@@ -58,10 +58,19 @@ def is_event_stream(content_type: str | None) -> bool:
 
 
 def error_frame(
-    generation_id: str, code: str, message: str, *, event_id: int | None = None
+    generation_id: str,
+    code: str,
+    message: str,
+    *,
+    event_id: int | None = None,
+    retry_after: int | None = None,
 ) -> bytes:
-    """The SSE ``event: error`` frame that marks a stream that did not complete."""
-    payload = _encode({"error": {"type": code, "message": message, "generation_id": generation_id}})
+    """The SSE ``event: error`` frame that marks a stream that did not complete; a drain's
+    says after how many seconds to retry (on another replica)."""
+    error: dict[str, object] = {"type": code, "message": message, "generation_id": generation_id}
+    if retry_after is not None:
+        error["retry_after"] = retry_after
+    payload = _encode({"error": error})
     frame = b"event: error\ndata: " + payload + b"\n"
     if event_id is not None:
         frame += b"id: %d\n" % event_id

@@ -33,6 +33,10 @@ class Supervisor:
         self.started = True
         self.stopping = False
 
+    def tasks(self) -> list[asyncio.Task[Any]]:
+        """The tasks running now."""
+        return list(self._tasks)
+
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)

@@ -27,6 +27,7 @@ MIDDLEWARES = {
     "IdempotencyMiddleware": {"_idempotency"},
     "MeteringMiddleware": {"_metering"},
     "TelemetryMiddleware": {"_telemetry"},
+    "DrainMiddleware": {"_drain"},
 }
 CONTRACT_SIDE = {"_contract", "_records", "_errors", "_log"}
 

@@ -1,0 +1,369 @@
+"""DrainMiddleware: deploys that cut no stream.
+
+A drain stops admitting new requests (503 with ``Retry-After``, problem+json ``draining``),
+turns the readiness endpoint to 503 so the load balancer stops sending, and lets the work in
+flight end: requests, and generations that detached. Resume reads and Stops go on. At the
+deadline what still runs ends through the lifecycle's ``drain`` hooks: an event stream its
+client still reads gets an ``event: error`` frame of type ``draining`` with ``retry_after``,
+detached work ends ``interrupted`` with the prefix it produced kept.
+
+A drain starts by :meth:`DrainMiddleware.drain`, by ``POST {drain_path}`` (a Kubernetes
+preStop hook), or by SIGTERM: the middleware takes the signal from the server (uvicorn,
+hypercorn) at startup, drains, then hands the signal back to the server, whose own shutdown
+then finds nothing left to cut. Handing a running generation over to another replica is out
+of scope: a client resumes what was produced, or retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import math
+import signal
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl
+
+import msgspec
+
+from ._lifecycle import Lifecycle, lifecycle_of
+from ._problem import send_problem
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Receive, Scope, Send
+
+__all__ = ["DrainMiddleware"]
+
+logger = logging.getLogger("asgi_disconnect")
+
+_encode = msgspec.json.Encoder().encode
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+# After the deadline, how long a drain waits for interrupted work to finish ending.
+_GRACE = 5.0
+
+
+class DrainMiddleware:
+    """Refuse new requests while draining, let the work in flight end, interrupt the rest
+    at the deadline. See the module's docstring.
+
+    - ``deadline``: seconds a drain gives the work in flight (a drain may pass its own);
+    - ``retry_after``: the ``Retry-After`` of refused requests and of draining frames;
+    - ``ready_path``: readiness, 200 while serving, 503 while draining (None: none);
+    - ``drain_path``: ``POST`` starts a drain, ``?deadline=S``, ``?wait=true`` answers
+      when it is over; from loopback, or with ``Authorization: Bearer {drain_token}``
+      (None: no endpoint);
+    - ``resume_prefix``: requests under it (resume reads, Stops) are served while draining;
+    - ``signals``: take SIGTERM from the server (main thread only), drain, hand it back;
+    - ``window``: how many recent request durations :meth:`suggest_drain_deadline` reads.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        deadline: float = 30.0,
+        retry_after: int = 5,
+        ready_path: str | None = "/readyz",
+        drain_path: str | None = "/drainz",
+        drain_token: str | None = None,
+        resume_prefix: str | None = "/generations",
+        signals: bool = True,
+        window: int = 1000,
+    ) -> None:
+        if not (deadline > 0 and math.isfinite(deadline)):
+            raise ValueError("deadline must be a positive number of seconds")
+        if isinstance(retry_after, bool) or not isinstance(retry_after, int) or retry_after < 0:
+            raise ValueError("retry_after must be a non-negative whole number of seconds")
+        for name, path in (("ready_path", ready_path), ("drain_path", drain_path)):
+            if path is not None and not path.startswith("/"):
+                raise ValueError(f"{name} must start with '/'")
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        self.app = app
+        self.deadline = deadline
+        self.retry_after = retry_after
+        self.ready_path = ready_path
+        self.drain_path = drain_path
+        self._token = drain_token.encode() if drain_token else None
+        self.resume_prefix = resume_prefix
+        self.signals = signals
+        self.in_flight = 0
+        self.durations: deque[float] = deque(maxlen=window)
+        self.draining = False
+        self.drained = False
+        self.lifecycle: Lifecycle | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._idle: asyncio.Event | None = None
+        self._retry_header = (b"retry-after", str(retry_after).encode())
+        self._restore_signal: Any = None
+
+    # -- requests -----------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path = scope["path"]
+            if path == self.ready_path:
+                await self._ready(send)
+                return
+            if path == self.drain_path:
+                await self._drain_endpoint(scope, send)
+                return
+            if self.draining and not self._serves_while_draining(path):
+                await self._refuse(send)
+                return
+            await self._counted(scope, receive, send)
+        elif kind == "lifespan":
+            lifecycle, owner = lifecycle_of(scope)
+            self.lifecycle = lifecycle
+            lifecycle.register(
+                "DrainMiddleware",
+                unique=True,
+                startup=self._startup,
+                stop_admitting=self._stop_admitting,
+                close=self._restore_signals,
+            )
+            if owner:
+                await lifecycle.serve(self.app, scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+        elif kind == "websocket" and self.draining:
+            await send({"type": "websocket.close", "code": 1012})  # service restart
+        else:
+            await self.app(scope, receive, send)
+
+    def _serves_while_draining(self, path: str) -> bool:
+        prefix = self.resume_prefix
+        return prefix is not None and path.startswith(prefix + "/")
+
+    async def _counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.in_flight += 1
+        started = time.monotonic()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.durations.append(time.monotonic() - started)
+            self.in_flight -= 1
+            idle = self._idle
+            if idle is not None and self.in_flight == 0:
+                idle.set()
+
+    async def _refuse(self, send: Send) -> None:
+        await send_problem(
+            send,
+            503,
+            "draining",
+            "Service Unavailable",
+            "This server is draining for a restart; retry, another replica will answer.",
+            headers=[self._retry_header, (b"connection", b"close")],
+        )
+
+    async def _ready(self, send: Send) -> None:
+        if self.draining:
+            await send_problem(
+                send,
+                503,
+                "draining",
+                "Not Ready",
+                f"Draining; {self.in_flight} request(s) in flight.",
+                headers=[self._retry_header],
+            )
+            return
+        body = _encode({"status": "ready", "in_flight": self.in_flight})
+        await _send_json(send, 200, body)
+
+    async def _drain_endpoint(self, scope: Scope, send: Send) -> None:
+        if scope["method"] != "POST":
+            await send_problem(
+                send,
+                405,
+                "method-not-allowed",
+                "Method Not Allowed",
+                "Start a drain with POST.",
+                headers=[(b"allow", b"POST")],
+            )
+            return
+        if not self._may_drain(scope):
+            await send_problem(
+                send,
+                403,
+                "drain-forbidden",
+                "Forbidden",
+                "A drain is started from loopback, or with the drain token.",
+            )
+            return
+        query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+        deadline = self.deadline
+        if "deadline" in query:
+            try:
+                deadline = float(query["deadline"])
+            except ValueError:
+                deadline = math.nan
+            if not (0 < deadline <= 86_400):
+                await send_problem(
+                    send,
+                    400,
+                    "invalid-drain-deadline",
+                    "Bad Drain Deadline",
+                    "deadline must be a number of seconds above 0 and at most 86400.",
+                )
+                return
+        wait = query.get("wait", "").lower() in ("1", "true", "yes")
+        task = self.start_drain(deadline)
+        if wait:
+            await asyncio.shield(task)
+        body = _encode(
+            {
+                "status": "drained" if self.drained else "draining",
+                "deadline": deadline,
+                "in_flight": self.in_flight,
+            }
+        )
+        await _send_json(send, 200 if self.drained else 202, body)
+
+    def _may_drain(self, scope: Scope) -> bool:
+        token = self._token
+        if token is not None:
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    return hmac.compare_digest(value, b"Bearer " + token)
+        client = scope.get("client")
+        return client is not None and client[0] in _LOOPBACK
+
+    # -- the drain ----------------------------------------------------------------------
+
+    def start_drain(self, deadline: float | None = None) -> asyncio.Task[None]:
+        """Start draining (once; later calls return the same drain) and return its task."""
+        task = self._drain_task
+        if task is None:
+            self.draining = True
+            task = self._drain_task = asyncio.get_running_loop().create_task(
+                self._run(self.deadline if deadline is None else deadline)
+            )
+        return task
+
+    async def drain(self, deadline: float | None = None) -> None:
+        """Drain: refuse new requests, let the work in flight end until ``deadline``
+        seconds from now (default: the middleware's), interrupt what is left; returns when
+        it is over. Requests keep being refused until the process exits."""
+        await asyncio.shield(self.start_drain(deadline))
+
+    async def _run(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline
+        logger.warning(
+            "draining: %d request(s) in flight, deadline %.1fs", self.in_flight, deadline
+        )
+        lifecycle = self.lifecycle
+        if lifecycle is not None:
+            await lifecycle.drain(end, self.retry_after)
+        elif self.in_flight:
+            logger.warning("the server runs without lifespan: a drain can only wait")
+        # Requests that no part of the stack tracks (a plain JSON route, say).
+        self._idle = asyncio.Event()
+        if self.in_flight:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), max(end - loop.time(), 0) + _GRACE)
+        self.drained = True
+        logger.warning("drained: %d request(s) still in flight", self.in_flight)
+
+    def suggest_drain_deadline(self, quantile: float = 0.99, headroom: float = 1.25) -> float:
+        """A drain deadline from the recent requests: their ``quantile`` duration times
+        ``headroom``, rounded up to whole seconds (at least 1); the configured deadline
+        while no request has ended yet."""
+        if not 0 < quantile <= 1:
+            raise ValueError("quantile must be in (0, 1]")
+        durations = sorted(self.durations)
+        if not durations:
+            return self.deadline
+        index = min(len(durations) - 1, math.ceil(quantile * len(durations)) - 1)
+        return float(max(1, math.ceil(durations[index] * headroom)))
+
+    # -- lifecycle and signals ------------------------------------------------------------
+
+    def _startup(self) -> None:
+        self.draining = self.drained = False
+        self._drain_task = None
+        if self.signals:
+            self._take_sigterm()
+
+    def _stop_admitting(self) -> None:
+        self.draining = True
+
+    def _take_sigterm(self) -> None:
+        """Take SIGTERM from the server: drain first, then hand it back."""
+        if threading.current_thread() is not threading.main_thread():
+            logger.info("DrainMiddleware: not in the main thread, SIGTERM is left to the server")
+            return
+        loop = asyncio.get_running_loop()
+        handlers: dict[int, Any] = getattr(loop, "_signal_handlers", {})
+        handle = handlers.get(signal.SIGTERM)
+        if handle is not None:
+            # The server used loop.add_signal_handler (hypercorn): replace its handler.
+            callback, args = handle._callback, handle._args
+
+            def server_handler() -> None:
+                loop.add_signal_handler(signal.SIGTERM, callback, *args)
+                callback(*args)
+
+            loop.add_signal_handler(signal.SIGTERM, self._on_sigterm, server_handler)
+            self._restore_signal = lambda: loop.add_signal_handler(signal.SIGTERM, callback, *args)
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if not callable(previous):
+            logger.info("DrainMiddleware: SIGTERM has no handler of the server's; not taken")
+            return
+
+        def hand_back() -> None:
+            signal.signal(signal.SIGTERM, previous)
+            previous(signal.SIGTERM, None)
+
+        def on_signal(signum: int, frame: object) -> None:
+            loop.call_soon_threadsafe(self._on_sigterm, hand_back)
+
+        signal.signal(signal.SIGTERM, on_signal)
+        self._restore_signal = lambda: signal.signal(signal.SIGTERM, previous)
+
+    def _on_sigterm(self, hand_back: Any) -> None:
+        handed = False
+
+        def once(_: object = None) -> None:
+            nonlocal handed
+            if not handed:
+                handed = True
+                hand_back()
+
+        if self._drain_task is not None:
+            # A second SIGTERM, or one after a drain: the server shuts down now.
+            logger.warning("SIGTERM while draining: the server shuts down now")
+            once()
+            return
+        logger.warning("SIGTERM: draining before the server shuts down")
+        self.start_drain().add_done_callback(once)
+
+    def _restore_signals(self) -> None:
+        restore, self._restore_signal = self._restore_signal, None
+        if restore is not None:
+            try:
+                restore()
+            except Exception:  # the loop may be closing; nothing to hand back then
+                logger.debug("restoring the server's SIGTERM handler failed", exc_info=True)
+
+
+async def _send_json(send: Send, status: int, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"cache-control", b"no-store"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
