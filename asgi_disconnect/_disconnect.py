@@ -35,7 +35,7 @@ from ._log import Generation
 from ._policy import Policy, PolicySource, check_source, resolve_policy, route_policy
 from ._problem import send_problem
 from ._records import Status
-from ._resume import STOPPED, ResumeEndpoints, error_frame, is_event_stream
+from ._resume import DRAINED, STOPPED, ResumeEndpoints, error_frame, is_event_stream
 from ._supervisor import Supervisor
 from ._writer import MESSAGE_BYTES, ClientWriter, Delivery
 
@@ -845,7 +845,7 @@ class _Exchange:
         if self.app_outcome is not None or runner is None or runner.done():
             return False
         self.drained = retry_after
-        self.interrupt_reason = "interrupted by a drain: the server is shutting down"
+        self.interrupt_reason = DRAINED
         self.state.note("drained")
         self.mw.counters.drained += 1
         runner.cancel()

@@ -47,6 +47,8 @@ _STOP_WAIT = 2.0
 _encode = msgspec.json.Encoder().encode
 # The error of a generation its owner stopped; its log ends with its own error frame.
 STOPPED = "stopped by its owner"
+# The error of a generation a drain ended; its log ends with its draining frame.
+DRAINED = "interrupted by a drain: the server is shutting down"
 _ENDINGS = {
     Status.CANCELLED: ("cancelled", "The generation was cancelled after its client disconnected."),
     Status.INTERRUPTED: ("interrupted", "The generation was interrupted before it finished."),
@@ -489,6 +491,7 @@ class ResumeEndpoints:
                 final is not None
                 and final.status in _ENDINGS
                 and final.error != STOPPED
+                and final.error != DRAINED
                 and is_event_stream(final.content_type)
             ):
                 code, message = _ENDINGS[final.status]

@@ -1,0 +1,240 @@
+"""DrainMiddleware in-process: refusals while draining, readiness, the drain endpoint and
+its bad input, what the deadline does to streams and to detached work, and the deadline it
+suggests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from asgi_disconnect import (
+    DrainMiddleware,
+    MemoryBackend,
+    UsageRecord,
+    disconnect_policy,
+    install,
+)
+from asgi_disconnect.testing import drive
+from asgi_disconnect.testing._driver import lifespan
+
+pytestmark = pytest.mark.anyio
+
+EVENT = b'data: {"choices":[{"delta":{"content":"tok"}}]}\n\n'
+DONE = b"data: [DONE]\n\n"
+DRAINING = "urn:asgi-disconnect:problem:draining"
+
+
+def app_with(
+    records: list[UsageRecord] | None = None, backend: MemoryBackend | None = None, **drain: Any
+) -> tuple[Starlette, DrainMiddleware]:
+    async def body(events: int) -> AsyncIterator[bytes]:
+        for _ in range(events):
+            yield EVENT
+            await asyncio.sleep(0.01)
+        yield DONE
+
+    async def chat(request: Request) -> StreamingResponse:
+        events = int(request.query_params.get("events", "20"))
+        return StreamingResponse(body(events), media_type="text/event-stream")
+
+    @disconnect_policy("detach")
+    async def report(request: Request) -> StreamingResponse:
+        events = int(request.query_params.get("events", "20"))
+        return StreamingResponse(body(events), media_type="text/event-stream")
+
+    async def hello(request: Request) -> JSONResponse:
+        return JSONResponse({"hello": True})
+
+    app = Starlette(routes=[Route("/chat", chat), Route("/report", report), Route("/hello", hello)])
+    install(
+        app,
+        backend=MemoryBackend() if backend is None else backend,
+        sinks=[records.append] if records is not None else [],
+        drain={"signals": False, **drain},
+    )
+    return app, _drain_of(app)
+
+
+def _drain_of(app: Starlette) -> DrainMiddleware:
+    app.middleware_stack = app.build_middleware_stack()
+    layer: Any = app.middleware_stack
+    while not isinstance(layer, DrainMiddleware):
+        layer = layer.app
+    return layer
+
+
+def problem(result: Any) -> dict[str, Any]:
+    assert result.header("content-type") == "application/problem+json"
+    return msgspec.json.decode(result.body)  # type: ignore[no-any-return]
+
+
+def frames(body: bytes) -> list[dict[str, Any]]:
+    return [
+        msgspec.json.decode(block.split(b"data: ", 1)[1])["error"]
+        for block in body.split(b"\n\n")
+        if block.startswith(b"event: error\n")
+    ]
+
+
+async def eventually(check: Callable[[], object], timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+async def test_while_draining_new_requests_get_503_and_work_in_flight_finishes() -> None:
+    records: list[UsageRecord] = []
+    app, drain = app_with(records, deadline=10)
+    async with lifespan(app):
+        ready = await drive(app, path="/readyz")
+        assert ready.status == 200
+        assert msgspec.json.decode(ready.body) == {"status": "ready", "in_flight": 0}
+        stream = asyncio.create_task(drive(app, path="/chat", query_string=b"events=30"))
+        await eventually(lambda: drain.in_flight == 1)
+        drained = asyncio.create_task(drain.drain())
+        await eventually(lambda: drain.draining)
+
+        refused = await drive(app, path="/hello")
+        assert refused.status == 503
+        assert refused.header("retry-after") == "5"
+        assert problem(refused)["type"] == DRAINING
+        not_ready = await drive(app, path="/readyz")
+        assert not_ready.status == 503
+        assert problem(not_ready)["type"] == DRAINING
+        assert "1 request(s) in flight" in problem(not_ready)["detail"]
+
+        result = await stream
+        await drained
+        assert drain.drained
+        assert result.body.endswith(DONE)  # finished before the deadline: whole
+        assert frames(result.body) == []
+        # Resume reads go on while draining.
+        generation_id = result.header("x-generation-id")
+        resumed = await drive(app, path=f"/generations/{generation_id}/stream")
+        assert resumed.status == 200
+        assert resumed.body == result.body
+    (record,) = records
+    assert record.outcome == "complete"
+
+
+async def test_at_the_deadline_streams_get_a_draining_frame_detached_work_is_interrupted() -> None:
+    records: list[UsageRecord] = []
+    backend = MemoryBackend()
+    app, drain = app_with(records, backend, deadline=0.3, retry_after=7)
+    async with lifespan(app):
+        cut = await drive(
+            app, path="/report", query_string=b"events=500", disconnect_after_bytes=3 * len(EVENT)
+        )
+        detached_id = cut.header("x-generation-id")
+        stream = asyncio.create_task(drive(app, path="/chat", query_string=b"events=500"))
+        await eventually(lambda: drain.in_flight == 1)
+        await drain.drain()
+        result = await stream
+        assert result.complete  # ended properly, not cut
+        assert not result.body.endswith(DONE)
+        (frame,) = frames(result.body)
+        assert frame["type"] == "draining"
+        assert frame["retry_after"] == 7
+        assert frame["generation_id"] == result.header("x-generation-id")
+        info = await backend.get(result.header("x-generation-id") or "")
+        assert info is not None
+        assert info.status == "interrupted"
+
+        detached = await backend.get(detached_id or "")
+        assert detached is not None
+        assert detached.status == "interrupted"
+        assert detached.size > 3 * len(EVENT)  # the prefix it produced is kept
+        prefix = await drive(app, path=f"/generations/{detached_id}/stream")
+        assert prefix.body.startswith(EVENT * 3)
+        assert frames(prefix.body)[-1]["type"] == "draining"
+    outcomes = sorted(record.outcome for record in records)
+    assert outcomes == ["interrupted", "interrupted"]
+
+
+async def test_the_drain_endpoint_and_its_bad_input() -> None:
+    app, drain = app_with(drain_token="s3cret")
+    async with lifespan(app):
+        wrong_method = await drive(app, path="/drainz")
+        assert wrong_method.status == 405
+        assert problem(wrong_method)["type"].endswith(":method-not-allowed")
+        assert wrong_method.header("allow") == "POST"
+        for bad in ("0", "-1", "abc", "nan", "1e9"):
+            bad_deadline = await drive(
+                app, method="POST", path="/drainz", query_string=f"deadline={bad}".encode()
+            )
+            assert bad_deadline.status == 400, bad
+            assert problem(bad_deadline)["type"].endswith(":invalid-drain-deadline")
+        wrong_token = await drive(
+            app, method="POST", path="/drainz", headers=[("authorization", "Bearer nope")]
+        )
+        assert wrong_token.status == 403
+        assert problem(wrong_token)["type"].endswith(":drain-forbidden")
+        assert not drain.draining  # nothing refused started a drain
+        started = await drive(
+            app,
+            method="POST",
+            path="/drainz",
+            query_string=b"deadline=2&wait=true",
+            headers=[("authorization", "Bearer s3cret")],
+        )
+        assert started.status == 200
+        assert msgspec.json.decode(started.body) == {
+            "status": "drained",
+            "deadline": 2.0,
+            "in_flight": 0,
+        }
+        assert (await drive(app, path="/hello")).status == 503
+
+
+async def test_a_drain_from_another_host_needs_the_token() -> None:
+    app, drain = app_with()  # no token: loopback only
+
+    async def from_elsewhere(scope: Any, receive: Any, send: Any) -> None:
+        scope["client"] = ("10.0.0.7", 5000)
+        await app(scope, receive, send)
+
+    async with lifespan(app):
+        refused = await drive(from_elsewhere, method="POST", path="/drainz")
+        assert refused.status == 403
+        assert not drain.draining
+        allowed = await drive(app, method="POST", path="/drainz")  # the driver's loopback
+        assert allowed.status == 202
+        assert drain.draining
+
+
+async def test_the_suggested_deadline_follows_recent_requests() -> None:
+    app, drain = app_with(deadline=30)
+    assert drain.suggest_drain_deadline() == 30  # nothing observed yet
+    async with lifespan(app):
+        for _ in range(20):
+            await drive(app, path="/hello")
+        await drive(app, path="/chat", query_string=b"events=60")  # about 0.6 s
+    # 21 requests: the 99th percentile is the slowest, 0.6 s and more, times 1.25, rounded up.
+    assert drain.suggest_drain_deadline() == 1.0
+    assert drain.suggest_drain_deadline(quantile=0.5) == 1.0
+    with pytest.raises(ValueError, match="quantile"):
+        drain.suggest_drain_deadline(quantile=0)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"deadline": 0}, "deadline"),
+        ({"deadline": float("inf")}, "deadline"),
+        ({"retry_after": -1}, "retry_after"),
+        ({"retry_after": 1.5}, "retry_after"),
+        ({"ready_path": "readyz"}, "ready_path"),
+        ({"window": 0}, "window"),
+    ],
+)
+def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DrainMiddleware(Starlette(), **options)
