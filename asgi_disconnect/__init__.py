@@ -21,6 +21,7 @@ from ._drain import DrainMiddleware
 from ._errors import AsgiDisconnectError
 from ._idempotency import IdempotencyKeyRequired, IdempotencyMiddleware, idempotent
 from ._metering import MeteringMiddleware, estimate_tokens, metered
+from ._pins import SessionPins
 from ._policy import Policy, disconnect_policy
 from ._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
 from ._version import __version__ as __version__
@@ -53,6 +54,7 @@ __all__ = [
     "Policy",
     "RequestState",
     "Reservations",
+    "SessionPins",
     "Status",
     "StoredResponse",
     "TelemetryMiddleware",

@@ -380,3 +380,11 @@ class Backend(ClaimStore, Protocol):
     async def request_cancel(self, generation_id: str) -> bool:
         """Ask the process that produces the running generation to stop it (here through
         ``on_cancel``, on another replica through the store); False if it is not running."""
+
+    async def pin_session(self, principal: str, session_id: str, provider: str, ttl: float) -> str:
+        """The provider the session is bound to: its live binding, renewed for ``ttl``
+        seconds, or else a new binding to ``provider``; one statement, by the store's clock.
+        Raises ``BackendUnavailable`` when the store cannot answer."""
+
+    async def end_session(self, principal: str, session_id: str) -> bool:
+        """End the session's binding; True if a live one was there."""

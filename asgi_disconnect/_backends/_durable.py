@@ -172,6 +172,10 @@ class SQLStore(Protocol):
     async def changed(self, generation_id: str, timeout: float) -> None: ...
     async def request_cancel(self, generation_id: str) -> bool: ...
     async def cancel_requests(self, owner: str) -> list[str]: ...
+    async def pin_session(
+        self, principal: str, session_id: str, provider: str, ttl: float
+    ) -> str: ...
+    async def end_session(self, principal: str, session_id: str) -> bool: ...
 
 
 @runtime_checkable
@@ -602,6 +606,22 @@ class DurableBackend:
     async def _ensure_open(self) -> None:
         if not self._opened:
             await self.open()
+
+    # -- session pins: straight to the store, one statement each -----------------------
+
+    async def pin_session(self, principal: str, session_id: str, provider: str, ttl: float) -> str:
+        await self._ensure_open()
+        try:
+            return await self.store.pin_session(principal, session_id, provider, ttl)
+        except Exception as exc:
+            raise BackendUnavailable(f"session pins at {self.url}: {exc}") from exc
+
+    async def end_session(self, principal: str, session_id: str) -> bool:
+        await self._ensure_open()
+        try:
+            return await self.store.end_session(principal, session_id)
+        except Exception as exc:
+            raise BackendUnavailable(f"session pins at {self.url}: {exc}") from exc
 
     async def request_cancel(self, generation_id: str) -> bool:
         tracked = self._live.get(generation_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._records import Claim, ClaimState, StoredResponse
 
@@ -84,12 +84,14 @@ class MemoryBackend:
         max_generations: int = 10_000,
         max_bytes: int = 64 << 20,
         max_claims: int = 10_000,
+        max_pins: int = 100_000,
     ) -> None:
         for name, value in (
             ("ttl", ttl),
             ("max_generations", max_generations),
             ("max_bytes", max_bytes),
             ("max_claims", max_claims),
+            ("max_pins", max_pins),
         ):
             if not value > 0:
                 raise ValueError(f"{name} must be positive")
@@ -100,6 +102,9 @@ class MemoryBackend:
         self._generations: dict[str, Generation] = {}
         self.usage: deque[UsageRecord] = deque(maxlen=max_generations)
         self._claims: dict[tuple[str, str], _MemoryClaim] = {}
+        # (principal, session) -> [provider, expires at (monotonic)]
+        self._pins: dict[tuple[str, str], list[Any]] = {}
+        self._max_pins = max_pins
         # Finished work, oldest first, and what each costs: generations, completed claims.
         self._finished: OrderedDict[str, int] = OrderedDict()
         self._completed: OrderedDict[tuple[str, str], int] = OrderedDict()
@@ -327,6 +332,31 @@ class MemoryBackend:
     def produces(self, generation_id: str) -> bool:
         """Whether this process produces the generation: every one kept here is."""
         return generation_id in self._generations
+
+    async def pin_session(self, principal: str, session_id: str, provider: str, ttl: float) -> str:
+        now = time.monotonic()
+        pins = self._pins
+        key = (principal, session_id)
+        pin = pins.get(key)
+        if pin is None or pin[1] <= now:
+            if pin is None and len(pins) >= self._max_pins:
+                self._evict_pins(now)
+            pin = pins[key] = [provider, 0.0]
+        pin[1] = now + ttl
+        return str(pin[0])
+
+    def _evict_pins(self, now: float) -> None:
+        """Drop the expired pins; if none was, the one closest to expiry."""
+        pins = self._pins
+        expired = [key for key, (_, expires) in pins.items() if expires <= now]
+        for key in expired:
+            del pins[key]
+        if not expired:
+            del pins[min(pins, key=lambda key: pins[key][1])]
+
+    async def end_session(self, principal: str, session_id: str) -> bool:
+        pin = self._pins.pop((principal, session_id), None)
+        return pin is not None and pin[1] > time.monotonic()
 
     async def request_cancel(self, generation_id: str) -> bool:
         generation = self._generations.get(generation_id)

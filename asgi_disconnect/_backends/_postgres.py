@@ -434,7 +434,40 @@ class PostgresStore:
                 )
                 await conn.execute(f"delete from {self._t}generations where id = any($1)", ids)
             claims = await conn.execute(self._sql["reap_claims"], limit)
-        return max(len(ids), int(claims.split()[-1]))
+            pins = await conn.execute(
+                f"delete from {self._t}pins where (principal, session_id) in (select "
+                f"principal, session_id from {self._t}pins where expires_at < now() limit $1)",
+                limit,
+            )
+        return max(len(ids), int(claims.split()[-1]), int(pins.split()[-1]))
+
+    # -- session pins -------------------------------------------------------------------
+
+    async def pin_session(self, principal: str, session_id: str, provider: str, ttl: float) -> str:
+        t = self._t
+        provider = await self.pool.fetchval(
+            f"""insert into {t}pins (principal, session_id, provider, expires_at)
+            values ($1, $2, $3, now() + make_interval(secs => $4))
+            on conflict (principal, session_id) do update set
+                provider = case when {t}pins.expires_at <= now()
+                                then excluded.provider else {t}pins.provider end,
+                expires_at = excluded.expires_at
+            returning provider""",
+            principal,
+            session_id,
+            provider,
+            ttl,
+        )
+        return str(provider)
+
+    async def end_session(self, principal: str, session_id: str) -> bool:
+        status = await self.pool.execute(
+            f"delete from {self._t}pins "
+            "where principal = $1 and session_id = $2 and expires_at > now()",
+            principal,
+            session_id,
+        )
+        return bool(status == "DELETE 1")
 
     # -- reads ----------------------------------------------------------------------
 
@@ -537,6 +570,14 @@ create table if not exists {t}chunks (
     sizes bytea not null,
     primary key (generation_id, start)
 );
+create table if not exists {t}pins (
+    principal text not null,
+    session_id text not null,
+    provider text not null,
+    expires_at timestamptz not null,
+    primary key (principal, session_id)
+);
+create index if not exists asgi_disconnect_pins_expiry on {t}pins (expires_at);
 """
 
 

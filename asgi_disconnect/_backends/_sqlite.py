@@ -97,6 +97,25 @@ create table if not exists asgi_disconnect_chunks (
     sizes blob not null,
     primary key (generation_id, start)
 ) without rowid;
+create table if not exists asgi_disconnect_pins (
+    principal text not null,
+    session_id text not null,
+    provider text not null,
+    expires_at real not null,
+    primary key (principal, session_id)
+) without rowid;
+create index if not exists asgi_disconnect_pins_expiry on asgi_disconnect_pins (expires_at);
+"""
+
+# One statement: the live binding, renewed; or a new one to ``provider`` if none lives.
+_PIN = f"""
+insert into asgi_disconnect_pins (principal, session_id, provider, expires_at)
+values (?1, ?2, ?3, {_NOW} + ?4)
+on conflict (principal, session_id) do update set
+    provider = case when asgi_disconnect_pins.expires_at <= {_NOW}
+                    then excluded.provider else asgi_disconnect_pins.provider end,
+    expires_at = excluded.expires_at
+returning provider
 """
 
 # One statement: a fresh claim, a takeover of an expired lease (same fingerprint only),
@@ -363,7 +382,13 @@ class SQLiteStore:
                 f"asgi_disconnect_claims where expires_at < {_NOW} limit ?)",
                 (limit,),
             ).rowcount
-            return max(len(ids), claims)
+            pins = db.execute(
+                "delete from asgi_disconnect_pins where (principal, session_id) in (select "
+                f"principal, session_id from asgi_disconnect_pins where expires_at < {_NOW} "
+                "limit ?)",
+                (limit,),
+            ).rowcount
+            return max(len(ids), claims, pins)
 
         return await self._run(self._write, delete)
 
@@ -490,6 +515,26 @@ class SQLiteStore:
             )
 
         await self._run(self._write, note)
+
+    # -- session pins -------------------------------------------------------------------
+
+    async def pin_session(self, principal: str, session_id: str, provider: str, ttl: float) -> str:
+        def pin(db: sqlite3.Connection) -> str:
+            row = db.execute(_PIN, (principal, session_id, provider, ttl)).fetchone()
+            return str(row[0])
+
+        return await self._run(self._write, pin)
+
+    async def end_session(self, principal: str, session_id: str) -> bool:
+        def end(db: sqlite3.Connection) -> bool:
+            cursor = db.execute(
+                "delete from asgi_disconnect_pins where principal = ? and session_id = ? "
+                f"and expires_at > {_NOW}",
+                (principal, session_id),
+            )
+            return cursor.rowcount == 1
+
+        return await self._run(self._write, end)
 
     async def changed(self, generation_id: str, timeout: float) -> None:
         await asyncio.sleep(timeout)

@@ -111,5 +111,3 @@ async def test_a_replica_resumes_live_and_ends_when_the_owner_finishes(shared_ur
         "the last event was produced on the owner"
     )
     assert lag < 1.0
-
-

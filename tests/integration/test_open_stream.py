@@ -220,9 +220,7 @@ async def test_a_client_that_leaves_closes_the_upstream_and_is_recorded_once() -
     with FakeProvider(tokens=200, tokens_per_second=100) as provider:
         app = gateway(provider.url, records, backend, idle_timeout=5)
         with run_server(app) as server:
-            result = await request(
-                f"{server.url}/chat", method="POST", disconnect_after_bytes=400
-            )
+            result = await request(f"{server.url}/chat", method="POST", disconnect_after_bytes=400)
             (upstream,) = await provider.await_requests(1)
             assert await upstream.await_closed(timeout=5), "the upstream was left open"
             record = await settled(records)

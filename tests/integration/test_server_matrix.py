@@ -39,6 +39,7 @@ SERVERS: list[ServerName] = ["uvicorn", "hypercorn", "hypercorn-h2", "granian"]
 TOKENS = 200
 DONE = b"data: [DONE]\n\n"
 
+
 def cells() -> list[ParameterSet]:
     """(server, placement) pairs."""
     return [

@@ -103,9 +103,11 @@ def with_part(dsn: str, **parts: str) -> str:
     split = urlsplit(dsn)
     user = parts.get("user", split.username or "")
     database = parts.get("database", split.path.lstrip("/"))
-    return split._replace(netloc=f"{user}@{split.hostname}:{split.port or 5432}")._replace(
-        path="/" + database
-    ).geturl()
+    return (
+        split._replace(netloc=f"{user}@{split.hostname}:{split.port or 5432}")
+        ._replace(path="/" + database)
+        .geturl()
+    )
 
 
 async def test_postgres_unknown_role(postgres_dsn: str) -> None:

@@ -39,8 +39,13 @@ pytestmark = pytest.mark.anyio
 Message = dict[str, Any]
 
 
-def http_scope(path: str, *, method: str = "GET", headers: list[tuple[bytes, bytes]] | None = None,
-               extensions: dict[str, Any] | None = None) -> dict[str, Any]:
+def http_scope(
+    path: str,
+    *,
+    method: str = "GET",
+    headers: list[tuple[bytes, bytes]] | None = None,
+    extensions: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -178,7 +183,10 @@ async def test_install_gives_its_principal_to_idempotency() -> None:
     first = await drive(app, method="POST", path="/charge", headers=alice, body=b"{}")
     again = await drive(app, method="POST", path="/charge", headers=alice, body=b"{}")
     bob = await drive(
-        app, method="POST", path="/charge", headers=[("x-user", "bob"), ("idempotency-key", "k1")],
+        app,
+        method="POST",
+        path="/charge",
+        headers=[("x-user", "bob"), ("idempotency-key", "k1")],
         body=b"{}",
     )
     assert first.status == 200, first.body
@@ -351,12 +359,18 @@ async def test_the_middleware_twice_fails_the_startup_and_each_request() -> None
 async def test_trailers_follow_a_held_body(path_kind: str) -> None:
     async def app(scope: Any, receive: Any, send: Any) -> None:
         headers = [(b"content-type", b"text/plain")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers,
-                    "trailers": True})
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": headers, "trailers": True}
+        )
         await send({"type": "http.response.body", "body": b"one ", "more_body": True})
         await send({"type": "http.response.body", "body": b"two", "more_body": False})
-        await send({"type": "http.response.trailers", "headers": [(b"x-sum", b"7")],
-                    "more_trailers": False})
+        await send(
+            {
+                "type": "http.response.trailers",
+                "headers": [(b"x-sum", b"7")],
+                "more_trailers": False,
+            }
+        )
 
     mw = DisconnectMiddleware(routed(app), backend=MemoryBackend())
     seen: list[Message] = []
@@ -473,8 +487,13 @@ async def test_a_cancelled_request_returns_after_the_apps_teardown(path_kind: st
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"ok"})
             return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
         started.set()
         try:
@@ -599,4 +618,3 @@ async def test_metering_alone_owns_its_lifespan() -> None:
         result = await drive(app, path="/cancel")
     assert result.status == 200
     assert len(records) == 1
-

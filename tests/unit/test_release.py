@@ -146,9 +146,7 @@ async def test_a_stream_through_install_keeps_little_in_memory(tmp_path: Path) -
 async def test_detached_work_is_released_resumed_whole_and_replayed_whole(
     tmp_path: Path,
 ) -> None:
-    parts = [b"data: %04d " % n + b"y" * 2000 + b"\n\n" for n in range(400)] + [
-        b"data: [DONE]\n\n"
-    ]
+    parts = [b"data: %04d " % n + b"y" * 2000 + b"\n\n" for n in range(400)] + [b"data: [DONE]\n\n"]
     whole = b"".join(parts)
     peaks: dict[str, int] = {}
     records: list[UsageRecord] = []

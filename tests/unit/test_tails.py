@@ -242,9 +242,7 @@ async def test_a_client_that_leaves_stops_following_at_once(
     generation.append(b"data: 0\n\n")
     await settle(writer)
     mw = DisconnectMiddleware(sse_app(Probe()), backend=reader)
-    result = await drive(
-        mw, path=f"/generations/{generation.id}/stream", disconnect_after_bytes=1
-    )
+    result = await drive(mw, path=f"/generations/{generation.id}/stream", disconnect_after_bytes=1)
     assert result.disconnected
     assert result.body == b"data: 0\n\n"
     # Its tail is gone with it, poller and all.

@@ -1,0 +1,86 @@
+"""Session pins on memory, SQLite and PostgreSQL: the first turn binds, later turns and
+retries get the same binding, a new default moves only new sessions, a binding lives ``ttl``
+after its last turn, and bad input is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import pytest
+
+from asgi_disconnect import SessionPins, connect
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_a_session_keeps_its_first_provider_until_it_ends(backend_url: str) -> None:
+    backend = connect(backend_url)
+    await backend.open()
+    try:
+        pins = SessionPins(backend, ttl=60)
+        old, new = f"s-{secrets.token_hex(4)}", f"s-{secrets.token_hex(4)}"
+        assert await pins.provider_for(old, default="provider-a") == "provider-a"
+        # The default flips: the running session stays, a new one takes the new default.
+        assert await pins.provider_for(old, default="provider-b") == "provider-a"
+        assert await pins.provider_for(new, default="provider-b") == "provider-b"
+        assert await pins.provider_for(old, default="provider-b") == "provider-a"
+        # Sessions are the caller's: another principal's session of the same id is its own.
+        assert await pins.provider_for(old, default="provider-b", principal="bob") == "provider-b"
+        # Concurrent first turns of one session (a client that retried at once) agree.
+        fresh = f"s-{secrets.token_hex(4)}"
+        answers = await asyncio.gather(
+            *(pins.provider_for(fresh, default=f"provider-{i}") for i in range(8))
+        )
+        assert len(set(answers)) == 1
+        # The session ends: its next turn binds afresh, to the default of that moment.
+        assert await pins.end(old) is True
+        assert await pins.end(old) is False
+        assert await pins.provider_for(old, default="provider-b") == "provider-b"
+    finally:
+        await backend.aclose()
+
+
+async def test_a_binding_lives_ttl_after_its_last_turn(backend_url: str) -> None:
+    backend = connect(backend_url)
+    await backend.open()
+    try:
+        pins = SessionPins(backend, ttl=0.4)
+        session = f"s-{secrets.token_hex(4)}"
+        assert await pins.provider_for(session, default="a") == "a"
+        for _ in range(4):  # turns keep it alive past its first ttl
+            await asyncio.sleep(0.2)
+            assert await pins.provider_for(session, default="b") == "a"
+        await asyncio.sleep(0.6)  # idle past the ttl: the next turn binds afresh
+        assert await pins.provider_for(session, default="b") == "b"
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.parametrize(
+    ("session", "default"), [("", "a"), ("s", ""), ("x" * 256, "a"), (None, "a"), ("s", 3)]
+)
+async def test_bad_input_is_refused(session: object, default: object) -> None:
+    pins = SessionPins(connect("memory://"))
+    with pytest.raises(ValueError, match="must be a non-empty string"):
+        await pins.provider_for(session, default=default)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("ttl", [0, -1, float("inf"), float("nan")])
+def test_a_bad_ttl_is_refused(ttl: float) -> None:
+    with pytest.raises(ValueError, match="ttl"):
+        SessionPins(connect("memory://"), ttl=ttl)
+
+
+async def test_the_memory_backend_keeps_its_pins_within_bounds() -> None:
+    from asgi_disconnect import MemoryBackend
+
+    backend = MemoryBackend(max_pins=3)
+    pins = SessionPins(backend, ttl=60)
+    for i in range(5):
+        await pins.provider_for(f"s{i}", default="a")
+    assert len(backend._pins) == 3
+    # Past the bound the binding closest to its expiry goes first (a memory backend is for
+    # one process and tests; a durable one keeps every live binding).
+    assert await pins.provider_for("s4", default="b") == "a"
+    assert await pins.provider_for("s0", default="b") == "b"
