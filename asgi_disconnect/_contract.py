@@ -46,8 +46,9 @@ field                  written by
 ``idempotency``        IdempotencyMiddleware: ``fresh``, ``replayed``, ``attached``,
                        ``in_flight``, ``mismatch``, ``invalid``, ``unavailable`` or
                        ``unclaimed`` (the store was down and the request ran unclaimed)
-``response_status``    a middleware that answers the request itself (IdempotencyMiddleware's
-                       replays and refusals); a generation's response has its own
+``response_status``    a middleware that answers the request itself (:func:`answered`:
+                       IdempotencyMiddleware's replays and refusals, DrainMiddleware's
+                       refusals); a generation's response has its own
 =====================  ======================================================
 
 No middleware imports another; the stores import only this module and the records.
@@ -85,6 +86,7 @@ __all__ = [
     "RequestState",
     "Reservations",
     "UsageSink",
+    "answered",
     "current_state",
     "default_principal",
     "new_generation_id",
@@ -295,6 +297,13 @@ def request_state(scope: Scope, principal: Principal) -> RequestState:
     if state is None:
         state = scope[SCOPE_KEY] = RequestState(new_generation_id(), principal(scope) or "")
     return state
+
+
+def answered(scope: Scope, status: int) -> None:
+    """A middleware answered the request itself with ``status``: tell an observer."""
+    state = scope.get(SCOPE_KEY)
+    if isinstance(state, RequestState):
+        state.response_status = status
 
 
 current_state: ContextVar[RequestState | None] = ContextVar("asgi_disconnect_state", default=None)

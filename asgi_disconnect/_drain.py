@@ -30,6 +30,7 @@ from urllib.parse import parse_qsl
 
 import msgspec
 
+from ._contract import answered
 from ._lifecycle import Lifecycle, lifecycle_of
 from ._problem import send_problem
 
@@ -114,6 +115,7 @@ class DrainMiddleware:
                 await self._drain_endpoint(scope, send)
                 return
             if self.draining and not self._serves_while_draining(path):
+                answered(scope, 503)
                 await self._refuse(send)
                 return
             await self._counted(scope, receive, send)

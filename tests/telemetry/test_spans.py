@@ -300,3 +300,29 @@ async def test_under_the_asgi_instrumentation_the_span_nests_in_its_span(
     assert ours.parent.span_id == outer.context.span_id
     assert ours.context.trace_id == outer.context.trace_id
     assert dict(ours.attributes or {})["gen_ai.usage.output_tokens"] == 1000
+
+
+async def test_a_drain_shows_on_the_span_of_the_stream_it_ended(telemetry: Telemetry) -> None:
+    from asgi_disconnect import DrainMiddleware
+
+    app = installed(telemetry, stream_app(chunks=500, interval=0.01), drain={"signals": False})
+    app.middleware_stack = app.build_middleware_stack()
+    drain: Any = app.middleware_stack
+    while not isinstance(drain, DrainMiddleware):
+        drain = drain.app
+    async with lifespan(app):
+        stream = asyncio.create_task(drive(app, method="POST", path="/v1/chat/completions"))
+        await eventually(lambda: drain.in_flight == 1)
+        await drain.drain(0.2)
+        result = await stream
+        refused = await drive(app, method="POST", path="/v1/chat/completions")
+    assert b'"type":"draining"' in result.body
+    assert refused.status == 503
+    ended, refusal = telemetry.finished()
+    assert "asgi_disconnect.drained" in [event.name for event in ended.events]
+    attributes = dict(ended.attributes or {})
+    assert attributes["asgi_disconnect.generation.status"] == "interrupted"
+    assert attributes["error.type"] == "interrupted"
+    assert ended.status.status_code is StatusCode.ERROR
+    assert dict(refusal.attributes or {})["http.response.status_code"] == 503
+    assert telemetry.total("asgi_disconnect.generations.interrupted") == 1
