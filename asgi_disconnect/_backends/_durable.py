@@ -149,6 +149,7 @@ class SQLStore(Protocol):
     async def sweep(self, ttl: float) -> list[str]: ...
     async def reap(self, limit: int) -> int: ...
     async def info(self, generation_id: str) -> tuple[GenerationInfo, str] | None: ...
+    async def recent(self, limit: int, status: str | None) -> list[GenerationInfo]: ...
     async def read(self, generation_id: str, offset: int, limit: int) -> bytes: ...
     async def usage(self, generation_id: str) -> list[bytes]: ...
     async def claim(
@@ -642,6 +643,11 @@ class DurableBackend:
         await self._ensure_open()
         found = await self.store.info(generation_id)
         return None if found is None else found[0]
+
+    async def recent(self, limit: int = 20, status: str | None = None) -> list[GenerationInfo]:
+        """The newest generations (``status``: only those), as the store has them."""
+        await self._ensure_open()
+        return await self.store.recent(limit, status)
 
     async def principal_of(self, generation_id: str) -> str | None:
         tracked = self._live.get(generation_id)

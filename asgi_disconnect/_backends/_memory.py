@@ -365,6 +365,13 @@ class MemoryBackend:
             return False
         return on_cancel(generation_id)
 
+    async def recent(self, limit: int = 20, status: str | None = None) -> list[GenerationInfo]:
+        """The newest generations kept here (``status``: only those)."""
+        infos = [generation.info() for generation in self._generations.values()]
+        infos = [info for info in infos if status is None or info.status == status]
+        infos.sort(key=lambda info: info.created_at, reverse=True)
+        return infos[:limit]
+
     async def get(self, generation_id: str) -> GenerationInfo | None:
         generation = self._live(generation_id)
         return None if generation is None else generation.info()

@@ -471,6 +471,17 @@ class PostgresStore:
 
     # -- reads ----------------------------------------------------------------------
 
+    async def recent(self, limit: int, status: str | None) -> list[GenerationInfo]:
+        rows = await self.pool.fetch(
+            self._sql["info"].replace(
+                "where id = $1 and", "where ($1::text is null or status = $1) and"
+            )
+            + " order by created_at desc limit $2",
+            status,
+            limit,
+        )
+        return [info_from_row(row)[0] for row in rows]
+
     async def info(self, generation_id: str) -> tuple[GenerationInfo, str] | None:
         row = await self.pool.fetchrow(self._sql["info"], generation_id)
         if row is None:

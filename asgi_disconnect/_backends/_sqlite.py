@@ -395,6 +395,18 @@ class SQLiteStore:
     async def info(self, generation_id: str) -> tuple[GenerationInfo, str] | None:
         return await self._run(self._info, generation_id)
 
+    async def recent(self, limit: int, status: str | None) -> list[GenerationInfo]:
+        def select() -> list[GenerationInfo]:
+            assert self._db is not None
+            rows = self._db.execute(
+                _INFO.replace("where id = ? and", "where (? is null or status = ?) and")
+                + " order by created_at desc limit ?",
+                (status, status, limit),
+            ).fetchall()
+            return [info_from_row(row)[0] for row in rows]
+
+        return await self._run(select)
+
     def _info(self, generation_id: str) -> tuple[GenerationInfo, str] | None:
         assert self._db is not None
         row = self._db.execute(_INFO, (generation_id,)).fetchone()
