@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from ._errors import BackendUnavailable
+
 __all__ = ["main"]
 
 DEFAULT_BACKEND = "sqlite:///demo-generations.db"
@@ -78,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_generations(args, backend_url))
     except KeyboardInterrupt:
         return 130
+    except (ValueError, BackendUnavailable) as exc:
+        print(f"asgi-disconnect: {exc}", file=sys.stderr)
+        return 2
 
 
 def _missing_driver(url: str) -> str | None:

@@ -27,6 +27,8 @@ BODY = (
 
 
 def gateway_block(document: Path) -> str:
+    if document.suffix == ".py":
+        return document.read_text()
     blocks = re.findall(r"```python\n(# gateway\.py\n.*?)```", document.read_text(), re.S)
     assert len(blocks) == 1, f"{document.name} has no single '# gateway.py' block"
     return blocks[0]
@@ -41,7 +43,7 @@ def free_port() -> int:
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("document", ["docs/quickstart.md", "README.md"])
+@pytest.mark.parametrize("document", ["docs/quickstart.md", "README.md", "examples/gateway.py"])
 def test_the_quickstart_gateway_relays_and_meters(document: str, tmp_path: Path) -> None:
     (tmp_path / "gateway.py").write_text(gateway_block(ROOT / document))
     port = free_port()
