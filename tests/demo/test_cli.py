@@ -94,3 +94,42 @@ def test_bad_input_gets_a_clear_message() -> None:
     usage = cli("generations", "frobnicate")
     assert usage.returncode == 2
     assert "invalid choice" in usage.stderr
+
+
+def test_the_demo_proxies_another_upstream_with_the_key_from_the_environment(
+    tmp_path: Path,
+) -> None:
+    import os
+
+    from asgi_disconnect.testing import FakeProvider
+
+    port = free_port()
+    with FakeProvider(tokens=5, tokens_per_second=1000) as provider:
+        upstream = provider.url
+        command = [
+            *CLI, "demo", "--port", str(port), "--upstream", provider.url,
+            "--backend", f"sqlite:///{tmp_path / 'demo.db'}",
+        ]  # fmt: skip
+        env = {**os.environ, "OPENAI_API_KEY": "sk-from-the-environment"}
+        log = tmp_path / "demo.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + 30
+                while True:
+                    with contextlib.suppress(httpx.HTTPError):
+                        httpx.get(url + "/readyz", timeout=1)
+                        break
+                    assert proc.poll() is None, log.read_text()
+                    assert time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.1)
+                answer = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+            finally:
+                proc.terminate()
+                proc.wait(20)
+        assert answer.text.endswith("data: [DONE]\n\n")
+        assert len(provider.requests) == 1  # this upstream, not a FakeProvider of its own
+    banner = log.read_text()
+    assert f"upstream    {upstream}" in banner
+    assert "no key" not in banner
