@@ -23,6 +23,7 @@ v1.36.0 are emitted (``gen_ai.system``) unless ``OTEL_SEMCONV_STABILITY_OPT_IN``
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from ._records import UsageRecord
 
 __all__ = ["TelemetryMiddleware", "require_opentelemetry", "semconv_latest"]
+
+logger = logging.getLogger("asgi_disconnect")
 
 SCHEMA_1_36 = "https://opentelemetry.io/schemas/1.36.0"
 SCHEMA_LATEST = "https://opentelemetry.io/schemas/1.44.0"
@@ -266,7 +269,10 @@ class TelemetryMiddleware:
         finally:
             self._context.detach(token)
             self.in_flight -= 1
-            self._response_over(span, scope, state, failure)
+            try:
+                self._response_over(span, scope, state, failure)
+            except Exception:  # telemetry never fails a request
+                logger.exception("recording the request's telemetry failed")
 
     def _response_over(
         self, span: Any, scope: Scope, state: RequestState, failure: BaseException | None

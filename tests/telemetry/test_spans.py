@@ -326,3 +326,20 @@ async def test_a_drain_shows_on_the_span_of_the_stream_it_ended(telemetry: Telem
     assert ended.status.status_code is StatusCode.ERROR
     assert dict(refusal.attributes or {})["http.response.status_code"] == 503
     assert telemetry.total("asgi_disconnect.generations.interrupted") == 1
+
+
+async def test_a_failing_span_processor_fails_no_request(
+    telemetry: Telemetry, caplog: pytest.LogCaptureFixture
+) -> None:
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    class Broken(SpanProcessor):
+        def on_end(self, span: Any) -> None:
+            raise RuntimeError("the exporter's bug")
+
+    telemetry.tracer_provider.add_span_processor(Broken())
+    app = installed(telemetry)
+    result = await drive(app, method="POST", path="/v1/messages")
+    assert result.status == 200
+    assert b"event: message_stop" in result.body  # the answer, whole
+    assert "recording the request's telemetry failed" in caplog.text
