@@ -97,10 +97,11 @@
     }
   }
 
-  // From the start (after a reload) or after the last event seen (a lost connection).
+  // After the last event the resume stream numbered (its `id:`), or else from the start,
+  // rebuilding the text: the first response's events carry no ids.
   async function resume(fromStart) {
     for (let attempt = 0; attempt < 20; attempt++) {
-      if (fromStart) { text = ""; lastId = null; answer.textContent = ""; }
+      if (fromStart || lastId === null) { text = ""; lastId = null; answer.textContent = ""; }
       const headers = { accept: "text/event-stream" };
       if (lastId !== null) headers["last-event-id"] = lastId;
       try {
@@ -148,7 +149,7 @@
       await consume(response.body);
     } catch (e) {}
     if (done || failure) { finish(); return; }
-    await resume(false);  // the connection broke: read on from the last event
+    await resume(true);  // the connection broke: read it again, then on, live
   }
 
   form.addEventListener("submit", (event) => {

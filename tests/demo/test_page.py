@@ -112,3 +112,66 @@ async def test_an_upstream_failure_shows_the_failed_state(
         status = await page.text_content("#status") or ""
         assert message in status, status
         await screenshot(page, f"failed-{fault.split('=')[0]}")
+
+
+class CuttableProxy:
+    """A TCP proxy on loopback whose open connections can all be cut at once, as a network
+    that drops would: both sides see their socket close mid-stream."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.open: set[asyncio.StreamWriter] = set()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.open |= {client_w, server_w}
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while data := await reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                writer.close()
+
+        await asyncio.gather(pipe(client_r, server_w), pipe(server_r, client_w))
+        self.open -= {client_w, server_w}
+
+    def cut(self) -> int:
+        cut = len(self.open)
+        for writer in self.open:
+            writer.transport.abort()
+        return cut
+
+    async def close(self) -> None:
+        self.cut()
+        if self.server is not None:
+            self.server.close()
+
+
+async def test_a_lost_connection_mid_stream_resumes_to_the_whole_answer(
+    demo: Demo, browser: Any
+) -> None:
+    proxy = CuttableProxy(int(demo.url.rsplit(":", 1)[1]))
+    url = await proxy.start()
+    page = await browser.new_page()
+    resumes: list[str] = []
+    page.on("request", lambda r: resumes.append(r.url) if "/stream" in r.url else None)
+    await page.goto(url)
+    await page.click("#send")
+    await page.wait_for_function("document.getElementById('answer').textContent.length > 20")
+    assert proxy.cut() > 0  # the network drops every connection, the stream's included
+    await wait_for_state(page, "done")
+    assert await page.text_content("#answer") == FULL  # every token once, none missing
+    assert resumes, "the page read on through /generations/{id}/stream"
+    (call,) = demo.provider.requests
+    assert not call.connection_closed_early  # detached: the upstream never noticed
+    await screenshot(page, "reconnected")
+    await proxy.close()
