@@ -32,7 +32,7 @@ import msgspec
 
 from ._contract import answered
 from ._lifecycle import Lifecycle, lifecycle_of
-from ._problem import send_problem
+from ._problem import send_json, send_problem
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
@@ -176,7 +176,7 @@ class DrainMiddleware:
             )
             return
         body = _encode({"status": "ready", "in_flight": self.in_flight})
-        await _send_json(send, 200, body)
+        await send_json(send, 200, body)
 
     async def _drain_endpoint(self, scope: Scope, send: Send) -> None:
         if scope["method"] != "POST":
@@ -225,7 +225,7 @@ class DrainMiddleware:
                 "in_flight": self.in_flight,
             }
         )
-        await _send_json(send, 200 if self.drained else 202, body)
+        await send_json(send, 200 if self.drained else 202, body)
 
     def _may_drain(self, scope: Scope) -> bool:
         token = self._token
@@ -354,18 +354,3 @@ class DrainMiddleware:
                 restore()
             except Exception:  # the loop may be closing; nothing to hand back then
                 logger.debug("restoring the server's SIGTERM handler failed", exc_info=True)
-
-
-async def _send_json(send: Send, status: int, body: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"cache-control", b"no-store"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})

@@ -40,3 +40,19 @@ async def send_problem(
         raw.extend(headers)
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_json(send: Send, status: int, body: bytes, *, head: bool = False) -> None:
+    """A JSON answer that no cache keeps; ``head``: its headers only."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"cache-control", b"no-store"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": b"" if head else body})

@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl
 import anyio
 import msgspec
 
-from ._problem import send_problem
+from ._problem import send_json, send_problem
 from ._records import GenerationInfo, Status
 
 if TYPE_CHECKING:
@@ -136,22 +136,7 @@ def _info_json(info: GenerationInfo) -> bytes:
 
 
 async def _send_info(send: Send, status: int, info: GenerationInfo, *, head: bool = False) -> None:
-    await _send_json(send, status, _info_json(info), head=head)
-
-
-async def _send_json(send: Send, status: int, body: bytes, *, head: bool = False) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"cache-control", b"no-store"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": b"" if head else body})
+    await send_json(send, status, _info_json(info), head=head)
 
 
 class ResumeEndpoints:
@@ -288,9 +273,7 @@ class ResumeEndpoints:
             return
         if action == "token":
             token = self.token(info.id, owner or "")
-            await _send_json(
-                send, 200, _encode({"token": token, "expires_in": int(self.token_ttl)})
-            )
+            await send_json(send, 200, _encode({"token": token, "expires_in": int(self.token_ttl)}))
             return
         await self._stream(scope, receive, send, info)
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -25,47 +26,61 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, check=False)
-
-
-def test_the_demo_serves_its_routes_and_operators_read_them_back(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def running_demo(*args: str, log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """``asgi-disconnect demo`` with ``args`` on a free port, until the block exits."""
     port = free_port()
-    backend = f"sqlite:///{tmp_path / 'demo.db'}"
-    command = [*CLI, "demo", "--port", str(port), "--backend", backend, "--rate", "500"]
-    log = tmp_path / "demo.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        proc = subprocess.Popen(
+            [*CLI, "demo", "--port", str(port), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=log.parent,
+            env=env,
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 30
             while True:
                 with contextlib.suppress(httpx.HTTPError):
-                    page = httpx.get(url + "/", timeout=1)
+                    httpx.get(url + "/readyz", timeout=1)
                     break
                 assert proc.poll() is None, log.read_text()
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.1)
-            assert page.status_code == 200
-            assert '<form id="ask" method="post" action="/ask"' in page.text
-            chat = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
-            assert chat.text.endswith("data: [DONE]\n\n")
-            messages = httpx.post(
-                f"{url}/v1/messages",
-                json={**CHAT, "max_tokens": 50},
-                headers={"anthropic-version": "2023-06-01"},
-                timeout=30,
-            )
-            assert "event: message_stop" in messages.text
-            bad = httpx.post(f"{url}/v1/reports", content=b"{not json", timeout=30)
-            assert bad.status_code == 400
-            assert bad.headers["content-type"] == "application/problem+json"
-            stats = httpx.get(f"{url}/demo/stats").json()
-            assert stats["in_flight"] == 0
-            generation_id = chat.headers["x-generation-id"]
+            yield url
         finally:
             proc.terminate()
             proc.wait(20)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_demo_serves_its_routes_and_operators_read_them_back(tmp_path: Path) -> None:
+    backend = f"sqlite:///{tmp_path / 'demo.db'}"
+    log = tmp_path / "demo.log"
+    with running_demo("--backend", backend, "--rate", "500", log=log) as url:
+        page = httpx.get(url + "/")
+        assert page.status_code == 200
+        assert '<form id="ask" method="post" action="/ask"' in page.text
+        chat = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+        assert chat.text.endswith("data: [DONE]\n\n")
+        messages = httpx.post(
+            f"{url}/v1/messages",
+            json={**CHAT, "max_tokens": 50},
+            headers={"anthropic-version": "2023-06-01"},
+            timeout=30,
+        )
+        assert "event: message_stop" in messages.text
+        bad = httpx.post(f"{url}/v1/reports", content=b"{not json", timeout=30)
+        assert bad.status_code == 400
+        assert bad.headers["content-type"] == "application/problem+json"
+        stats = httpx.get(f"{url}/demo/stats").json()
+        assert stats["in_flight"] == 0
+        generation_id = chat.headers["x-generation-id"]
+    port = url.rsplit(":", 1)[1]
     banner = log.read_text()
     assert f"open        http://127.0.0.1:{port}/" in banner
     assert "FakeProvider on http://127.0.0.1:" in banner
@@ -103,31 +118,13 @@ def test_the_demo_proxies_another_upstream_with_the_key_from_the_environment(
 
     from asgi_disconnect.testing import FakeProvider
 
-    port = free_port()
     with FakeProvider(tokens=5, tokens_per_second=1000) as provider:
         upstream = provider.url
-        command = [
-            *CLI, "demo", "--port", str(port), "--upstream", provider.url,
-            "--backend", f"sqlite:///{tmp_path / 'demo.db'}",
-        ]  # fmt: skip
         env = {**os.environ, "OPENAI_API_KEY": "sk-from-the-environment"}
         log = tmp_path / "demo.log"
-        with log.open("w") as out:
-            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-            try:
-                url = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + 30
-                while True:
-                    with contextlib.suppress(httpx.HTTPError):
-                        httpx.get(url + "/readyz", timeout=1)
-                        break
-                    assert proc.poll() is None, log.read_text()
-                    assert time.monotonic() < deadline, log.read_text()
-                    time.sleep(0.1)
-                answer = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
-            finally:
-                proc.terminate()
-                proc.wait(20)
+        backend = f"sqlite:///{tmp_path / 'demo.db'}"
+        with running_demo("--upstream", upstream, "--backend", backend, log=log, env=env) as url:
+            answer = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
         assert answer.text.endswith("data: [DONE]\n\n")
         assert len(provider.requests) == 1  # this upstream, not a FakeProvider of its own
     banner = log.read_text()
