@@ -239,10 +239,7 @@ class DisconnectMiddleware:
                 close=self.backend.aclose,
                 drain=self._drain,
             )
-            if owner:
-                await lifecycle.serve(self.app, scope, receive, send)
-            else:
-                await self.app(scope, receive, send)
+            await lifecycle.run(owner, self.app, scope, receive, send)
         else:
             await self.app(scope, receive, send)
 

@@ -129,10 +129,7 @@ class DrainMiddleware:
                 stop_admitting=self._stop_admitting,
                 close=self._restore_signals,
             )
-            if owner:
-                await lifecycle.serve(self.app, scope, receive, send)
-            else:
-                await self.app(scope, receive, send)
+            await lifecycle.run(owner, self.app, scope, receive, send)
         elif kind == "websocket" and self.draining:
             await send({"type": "websocket.close", "code": 1012})  # service restart
         else:

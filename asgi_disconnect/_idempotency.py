@@ -484,10 +484,7 @@ class IdempotencyMiddleware:
             flush=self.pending_settles.drain,
             close=getattr(backend, "aclose", None) or _nothing,
         )
-        if owner:
-            await lifecycle.serve(self.app, scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
+        await lifecycle.run(owner, self.app, scope, receive, send)
 
     async def _run_unclaimed(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False

@@ -119,6 +119,16 @@ class Lifecycle:
             except Exception:
                 logger.exception("%s failed during a drain", part)
 
+    async def run(
+        self, owner: bool, app: ASGIApp, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Pass the lifespan scope on to ``app``: served with the hooks by its ``owner``
+        (the outermost part), as it is by every other part."""
+        if owner:
+            await self.serve(app, scope, receive, send)
+        else:
+            await app(scope, receive, send)
+
     async def serve(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         """Run the lifespan protocol of ``app`` with this lifecycle's hooks around it."""
         failed = False

@@ -223,10 +223,7 @@ class MeteringMiddleware:
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         lifecycle, owner = lifecycle_of(scope)
         lifecycle.register("MeteringMiddleware", unique=True, flush=self.drain)
-        if owner:
-            await lifecycle.serve(self.app, scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
+        await lifecycle.run(owner, self.app, scope, receive, send)
 
     async def _emit(
         self, scope: Scope, tee: _Tee, state: RequestState | None, reservation: Any

@@ -227,10 +227,7 @@ class TelemetryMiddleware:
         elif scope["type"] == "lifespan":
             lifecycle, owner = lifecycle_of(scope)
             lifecycle.register("TelemetryMiddleware", unique=True, close=self.flush)
-            if owner:
-                await lifecycle.serve(self.app, scope, receive, send)
-            else:
-                await self.app(scope, receive, send)
+            await lifecycle.run(owner, self.app, scope, receive, send)
         else:
             await self.app(scope, receive, send)
 
