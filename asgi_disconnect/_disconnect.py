@@ -646,6 +646,8 @@ class _Exchange:
         mw = self.mw
         self.request_task = self.watcher = asyncio.current_task()
         app_task = self.app_task = mw.supervisor.spawn(self.run_app())
+        # A drain reaches it before its response starts too (then it answers 503).
+        mw._running[self.state.generation_id] = self
         app_task.add_done_callback(self._part_done)
         try:
             reason = await self._watch()
@@ -664,6 +666,17 @@ class _Exchange:
             if not app_task.done():
                 return
         self._finish()
+        if self.drained is not None and self.generation is None and not self.client_gone:
+            # A drain's deadline came before the app started its response: retry elsewhere.
+            await send_problem(
+                self.send,
+                503,
+                "draining",
+                "Service Unavailable",
+                "This server is draining for a restart; retry, another replica will answer.",
+                headers=[(b"retry-after", b"%d" % self.drained), (b"connection", b"close")],
+            )
+            return
         error = self.app_error or (self.writer.error if self.writer is not None else None)
         if error is not None and not self.state.detached:
             self.app_error = None

@@ -53,7 +53,18 @@ def app_with(
     async def hello(request: Request) -> JSONResponse:
         return JSONResponse({"hello": True})
 
-    app = Starlette(routes=[Route("/chat", chat), Route("/report", report), Route("/hello", hello)])
+    async def slow(request: Request) -> JSONResponse:
+        await asyncio.sleep(5)  # thinking before its first byte
+        return JSONResponse({"late": True})
+
+    app = Starlette(
+        routes=[
+            Route("/chat", chat),
+            Route("/report", report),
+            Route("/hello", hello),
+            Route("/slow", slow),
+        ]
+    )
     install(
         app,
         backend=MemoryBackend() if backend is None else backend,
@@ -157,6 +168,18 @@ async def test_at_the_deadline_streams_get_a_draining_frame_detached_work_is_int
         assert frames(prefix.body)[-1]["type"] == "draining"
     outcomes = sorted(record.outcome for record in records)
     assert outcomes == ["interrupted", "interrupted"]
+
+
+async def test_a_request_without_a_response_at_the_deadline_gets_503_to_retry() -> None:
+    app, drain = app_with(deadline=0.2, retry_after=4)
+    async with lifespan(app):
+        slow = asyncio.create_task(drive(app, path="/slow"))
+        await eventually(lambda: drain.in_flight == 1)
+        await drain.drain()
+        result = await slow
+    assert result.status == 503
+    assert result.header("retry-after") == "4"
+    assert problem(result)["type"] == DRAINING
 
 
 async def test_the_drain_endpoint_and_its_bad_input() -> None:
