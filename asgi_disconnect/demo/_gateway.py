@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Form, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from .. import (
@@ -75,6 +76,11 @@ def make_app(
         await client.aclose()
 
     app = FastAPI(title="asgi-disconnect demo gateway", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        fields = ", ".join(".".join(str(p) for p in error["loc"]) for error in exc.errors())
+        return _problem(422, "invalid-request", f"Missing or invalid: {fields}.")
 
     def upstream_headers(request: Request) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k in _FORWARDED}

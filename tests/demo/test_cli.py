@@ -77,6 +77,13 @@ def test_the_demo_serves_its_routes_and_operators_read_them_back(tmp_path: Path)
         bad = httpx.post(f"{url}/v1/reports", content=b"{not json", timeout=30)
         assert bad.status_code == 400
         assert bad.headers["content-type"] == "application/problem+json"
+        no_prompt = httpx.post(f"{url}/ask", data={}, timeout=30)
+        assert no_prompt.status_code == 422
+        assert no_prompt.headers["content-type"] == "application/problem+json"
+        assert no_prompt.json()["type"] == "urn:asgi-disconnect:problem:invalid-request"
+        unknown = httpx.get(f"{url}/demo/usage/gen_nothing")
+        assert unknown.status_code == 404
+        assert unknown.json()["type"] == "urn:asgi-disconnect:problem:usage-not-settled"
         stats = httpx.get(f"{url}/demo/stats").json()
         assert stats["in_flight"] == 0
         generation_id = chat.headers["x-generation-id"]

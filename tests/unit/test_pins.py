@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from typing import Any
 
 import pytest
 
@@ -84,3 +85,38 @@ async def test_the_memory_backend_keeps_its_pins_within_bounds() -> None:
     # one process and tests; a durable one keeps every live binding).
     assert await pins.provider_for("s4", default="b") == "a"
     assert await pins.provider_for("s0", default="b") == "b"
+
+
+class CountingPool:
+    """The store's pool, counting the statements that touch the pins table."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.statements: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.pool, name)
+        if name not in ("execute", "fetch", "fetchrow", "fetchval"):
+            return attribute
+
+        def counted(sql: str, *args: Any, **kwargs: Any) -> Any:
+            if "pins" in sql:
+                self.statements.append(sql.split()[0])
+            return attribute(sql, *args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.postgres
+async def test_a_pin_is_one_statement_on_postgresql(postgres_url: str) -> None:
+    backend: Any = connect(postgres_url)
+    await backend.open()
+    counting = backend.store._pool = CountingPool(backend.store.pool)
+    try:
+        pins = SessionPins(backend)
+        await pins.provider_for("s1", default="a")  # a first turn
+        await pins.provider_for("s1", default="b")  # a later one
+        assert counting.statements == ["insert", "insert"]
+    finally:
+        backend.store._pool = counting.pool
+        await backend.aclose()
