@@ -817,14 +817,18 @@ class _Exchange:
             mw.counters.cancelled += 1
         state.note("cancelled")
         self.cancelled_by_policy = True
-        runner.cancel()
-        waiter = self.inbox_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._cancel(runner)
         if state.upstreams:
             await shielded(state.close_upstreams())
         if runner is self.app_task:
             await wait_bounded(runner, _TEARDOWN_TIMEOUT)
+
+    def _cancel(self, runner: asyncio.Task[Any]) -> None:
+        """Cancel the app's task, waking it if it waits for the request's body."""
+        runner.cancel()
+        waiter = self.inbox_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def stop(self) -> bool:
         """Stop the work on its owner's request: as a disconnect under the cancel policy,
@@ -841,10 +845,7 @@ class _Exchange:
         self.mw.counters.stopped += 1
         state.note("stopped")
         self.cancelled_by_policy = True
-        runner.cancel()
-        waiter = self.inbox_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._cancel(runner)
         if state.upstreams:
             self.mw.supervisor.spawn(state.close_upstreams())
         return True
@@ -858,10 +859,7 @@ class _Exchange:
         self.interrupt_reason = DRAINED
         self.state.note("drained")
         self.mw.counters.drained += 1
-        runner.cancel()
-        waiter = self.inbox_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._cancel(runner)
         if self.state.upstreams:
             self.mw.supervisor.spawn(self.state.close_upstreams())
         return True

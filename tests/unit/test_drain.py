@@ -33,7 +33,10 @@ DRAINING = "urn:asgi-disconnect:problem:draining"
 
 
 def app_with(
-    records: list[UsageRecord] | None = None, backend: MemoryBackend | None = None, **drain: Any
+    records: list[UsageRecord] | None = None,
+    backend: MemoryBackend | None = None,
+    idempotency: bool = False,
+    **drain: Any,
 ) -> tuple[Starlette, DrainMiddleware]:
     async def body(events: int) -> AsyncIterator[bytes]:
         for _ in range(events):
@@ -70,6 +73,7 @@ def app_with(
         backend=MemoryBackend() if backend is None else backend,
         sinks=[records.append] if records is not None else [],
         drain={"signals": False, **drain},
+        idempotency=idempotency,
     )
     return app, _drain_of(app)
 
@@ -261,3 +265,27 @@ async def test_the_suggested_deadline_follows_recent_requests() -> None:
 def test_bad_options_are_refused(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DrainMiddleware(Starlette(), **options)
+
+
+async def test_a_drained_idempotent_stream_is_not_replayed_and_has_one_record() -> None:
+    records: list[UsageRecord] = []
+    app, drain = app_with(records, idempotency=True, deadline=0.2)
+    keyed = [("authorization", "Bearer alice"), ("idempotency-key", "k-1")]
+    async with lifespan(app):
+        stream = asyncio.create_task(
+            drive(app, path="/chat", query_string=b"events=500", headers=keyed)
+        )
+        await eventually(lambda: drain.in_flight == 1)
+        await drain.drain()
+        first = await stream
+        assert [frame["type"] for frame in frames(first.body)] == ["draining"]
+    await eventually(lambda: len(records) == 1)
+    (record,) = records
+    assert record.outcome == "interrupted"
+    # The process restarts on the same store (a new stack, the same backend): the retry
+    # runs again, for an interrupted answer was not stored as a complete one.
+    app.middleware_stack = None
+    async with lifespan(app):
+        retry = await drive(app, path="/chat", query_string=b"events=3", headers=keyed)
+    assert retry.header("idempotent-replayed") is None
+    assert retry.body.endswith(DONE)
