@@ -21,7 +21,12 @@ field                  written by
 ``policy``             DisconnectMiddleware, when the client left
 ``detached``           DisconnectMiddleware, when the policy detached the work
 ``disconnected``       DisconnectMiddleware, when the client left or lagged
-``delivered_bytes``    DisconnectMiddleware's client writer
+``delivered_bytes``    DisconnectMiddleware's client writer: what it handed to the
+                       server; when the exchange ends, what the client's TCP
+                       acknowledged where the kernel tells (``delivery``)
+``delivery``           DisconnectMiddleware, when the exchange ends: ``"acked"`` if
+                       ``delivered_bytes`` is what the client's TCP acknowledged,
+                       ``"sent"`` if it is what was handed to the server
 ``ending``             DisconnectMiddleware, once, when the exchange is over
 ``stream_ending``      MeteringMiddleware, at an event stream's start: a callable that
                        says how it ended by its protocol (``complete``, ``error``,
@@ -158,6 +163,7 @@ class RequestState:
         "_finalizers",
         "app_send",
         "delivered_bytes",
+        "delivery",
         "detached",
         "disconnect_reason",
         "ending",
@@ -190,6 +196,7 @@ class RequestState:
         self._disconnected: asyncio.Event | None = None
         self.disconnect_reason: str | None = None
         self.delivered_bytes = 0
+        self.delivery = "sent"
         # Set by a DisconnectMiddleware that runs this request, so a second one refuses it.
         self.handled = False
         self.upstreams: list[Closable] = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import sys
 import types
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,8 @@ from ._problem import send_problem
 from ._records import Status
 from ._resume import DRAINED, STOPPED, ResumeEndpoints, error_frame, is_event_stream
 from ._supervisor import Supervisor
+from ._transport import SUPPORTED as _TRANSPORT_SUPPORTED
+from ._transport import TransportMonitor, tune_listeners
 from ._writer import MESSAGE_BYTES, ClientWriter, Delivery
 
 if TYPE_CHECKING:
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
 
     from ._contract import Backend
     from ._lifecycle import Lifecycle
+    from ._transport import ConnectionWatch
 
 __all__ = ["Counters", "DisconnectMiddleware"]
 
@@ -66,6 +70,9 @@ _ROUTE_MEMO_SIZE = 4096
 # How long a request cancelled by the server waits for its app to run its finally blocks.
 _TEARDOWN_TIMEOUT = 5.0
 _DRAIN_POLL = 0.05
+# When to look again for the server's listening sockets after startup: uvicorn binds after
+# the lifespan startup, granian replaces a placeholder, within a few milliseconds.
+_LISTENER_SCANS = (0.01, 0.05, 0.25, 1.0, 3.0)
 # Enum members read on hot paths, bound once (a member lookup costs ~50 ns).
 _DONE = Delivery.DONE
 _FINAL = Delivery.FINAL
@@ -123,6 +130,11 @@ class DisconnectMiddleware:
 
     ``exclude_paths``: regular expressions of paths the middleware leaves alone (static
     files, health checks): no generation, no ``x-generation-id``, no policy.
+
+    ``client_timeout``: a client whose TCP acknowledged nothing it was sent for that many
+    seconds is disconnected (on Linux: the listening sockets' ``TCP_USER_TIMEOUT`` and the
+    kernel's socket diagnostics, see docs/operations.md), and a streamed response's
+    delivered bytes are what the client's TCP acknowledged. None turns both off.
     """
 
     def __init__(
@@ -140,7 +152,10 @@ class DisconnectMiddleware:
         keep_alive: float | None = 15.0,
         resume_secret: bytes | None = None,
         resume_token_ttl: float = 300.0,
+        client_timeout: float | None = 10.0,
     ) -> None:
+        if client_timeout is not None and not client_timeout >= 1:
+            raise ValueError("client_timeout must be at least 1 second, or None")
         if keep_alive is not None and not keep_alive > 0:
             raise ValueError("keep_alive must be a positive number of seconds, or None")
         if max_lag_bytes <= 0:
@@ -171,6 +186,15 @@ class DisconnectMiddleware:
         self.max_lag_seconds = max_lag_seconds
         self.shutdown_timeout = shutdown_timeout
         self.keep_alive = keep_alive
+        self.client_timeout = client_timeout
+        self.transport = (
+            TransportMonitor(client_timeout)
+            if client_timeout is not None and _TRANSPORT_SUPPORTED
+            else None
+        )
+        # The local ports whose listeners carry the client timeout; None: not looked yet.
+        self._tuned_ports: set[int] | None = None if self.transport is not None else set()
+        self._listeners_found = self.transport is None
         self.counters = Counters()
         self.supervisor = Supervisor()
         self.lifecycle: Lifecycle | None = None
@@ -204,6 +228,8 @@ class DisconnectMiddleware:
             if not self._loop_checked:
                 _check_asyncio()
                 self._loop_checked = True
+            if not self._listeners_found:
+                self._find_listener(scope)
             state = scope.get(SCOPE_KEY)
             if state is None:
                 state = scope[SCOPE_KEY] = RequestState(
@@ -247,9 +273,51 @@ class DisconnectMiddleware:
         _check_asyncio()
         await self.backend.open()
         self.supervisor.start()
+        if self.client_timeout is not None and not _TRANSPORT_SUPPORTED:
+            logger.warning(
+                "silent clients (no FIN, no RST) are detected only by the lag rules on %s: "
+                "client_timeout needs Linux",
+                sys.platform,
+            )
+        if self.transport is not None:
+            self._tune_listeners()
+            loop = asyncio.get_running_loop()
+            for delay in _LISTENER_SCANS:
+                loop.call_later(delay, self._tune_listeners)
+
+    def _tune_listeners(self) -> None:
+        """Give the process's listening sockets the client timeout (see _transport)."""
+        assert self.client_timeout is not None
+        ports = tune_listeners(self.client_timeout)
+        if self._tuned_ports is None:
+            self._tuned_ports = set()
+        self._tuned_ports |= ports
+
+    def _find_listener(self, scope: Scope) -> None:
+        """At a request: once its listener carries the client timeout, stop looking. A
+        connection accepted before (the first one, under uvicorn) is judged by the
+        transport monitor alone."""
+        server = scope.get("server")
+        if not server:
+            self._listeners_found = True  # a Unix socket: nothing to tune
+            return
+        ports = self._tuned_ports
+        if ports is None or server[1] not in ports:
+            self._tune_listeners()
+            ports = self._tuned_ports
+        # A port that is still unknown is a proxy's, or a listener of another process.
+        self._listeners_found = True
+        if ports is not None and server[1] not in ports:
+            logger.info(
+                "no listening socket of this process serves port %s: connections are "
+                "judged by the transport monitor only",
+                server[1],
+            )
 
     def _stop_admitting(self) -> None:
         self.supervisor.stopping = True
+        if self.transport is not None:
+            self.transport.settle_all()
 
     async def _finish_generations(self) -> None:
         # Before the app's own shutdown, so its resources (upstream clients) are still open.
@@ -359,6 +427,7 @@ class _Exchange:
         "drained",
         "expect_trailers",
         "generation",
+        "head",
         "inbox",
         "inbox_waiter",
         "interrupt_reason",
@@ -370,10 +439,12 @@ class _Exchange:
         "request_task",
         "scope",
         "send",
+        "settling",
         "state",
         "stopped",
         "taken_waiter",
         "wake_reason",
+        "watch",
         "watcher",
         "watching",
         "woken",
@@ -401,6 +472,7 @@ class _Exchange:
         self.writer: ClientWriter | None = None
         self.app_error: BaseException | None = None
         self.generation: Generation | None = None
+        self.head: Any = ()  # the response's headers, as the app sent them
         # Where the response stands while no writer exists (a response sent in one piece).
         self.delivery = _OPEN
         self.client_gone = False
@@ -421,6 +493,9 @@ class _Exchange:
         self.drained: int | None = None  # a drain ended it: retry after that many seconds
         self.keep_alive_seen = 0  # the log's size at the last keep-alive tick
         self.keep_alive_handle: asyncio.TimerHandle | None = None
+        # The connection's transport, watched from the first body message (see _transport).
+        self.watch: ConnectionWatch | None = None
+        self.settling = False  # over, waiting for its client's TCP to acknowledge the rest
 
     # -- how it ended: one mapping for every path -------------------------------------
 
@@ -488,7 +563,7 @@ class _Exchange:
         ):
             self._end(_ENDING_DELIVERED)  # a response sent in one piece
             return
-        if state.finished:
+        if state.finished or self.settling:
             return
         handle = self.keep_alive_handle
         if handle is not None:
@@ -504,9 +579,55 @@ class _Exchange:
             writer.on_lost = _ignore_loss
 
     def _end(self, ending: Ending) -> None:
-        """Record how the exchange ended; a Stop no longer reaches it."""
+        """Record how the exchange ended; a Stop no longer reaches it. A watched response
+        ends once its client's TCP acknowledged what it was handed (or died, or closed)."""
+        if self.settling:
+            return
+        watch = self.watch
+        if watch is not None:
+            transport = self.mw.transport
+            assert transport is not None
+            watch.on_dead = None  # over: nothing is left to cancel or detach
+            if transport.settle(watch, lambda: self._settled(watch, ending)):
+                self.settling = True
+                return
+            self._settled(watch, None)
         self.mw._running.pop(self.state.generation_id, None)
         self.state.finish(ending)
+
+    def _settled(self, watch: ConnectionWatch, ending: Ending | None) -> None:
+        """What the client's TCP acknowledged is known: that is what it was delivered."""
+        self.watch = None
+        state = self.state
+        if watch.delivery == "acked":
+            state.delivered_bytes = min(state.delivered_bytes, watch.acked_body)
+            state.delivery = "acked"
+        if ending is not None:
+            self.settling = False
+            self._end(ending)
+
+    def _transport_lost(self) -> None:
+        """The client's TCP acknowledged nothing for ``client_timeout``: it is gone."""
+        if self.client_gone or self.state.finished:
+            return
+        writer = self.writer
+        if writer is not None:
+            writer.lost("silent")
+        else:
+            self._client_went_away("silent")
+
+    def _open_watch(self) -> ConnectionWatch | None:
+        """Watch the connection from the response's first body message (its head is with
+        the server already), a streamed one only: a response sent whole costs nothing."""
+        transport = self.mw.transport
+        generation = self.generation
+        if transport is None or generation is None:
+            return None
+        chunked = not any(name == b"content-length" for name, _ in self.head)
+        watch = self.watch = transport.watch(
+            self.scope, asyncio.get_running_loop(), self._transport_lost, chunked=chunked
+        )
+        return watch
 
     def _record_end(
         self,
@@ -637,7 +758,7 @@ class _Exchange:
 
     async def _watch_inline(self) -> None:
         reason = await self._watch()
-        if reason in ("client", "lag", "error"):
+        if reason in ("client", "lag", "error", "silent"):
             await self._client_lost(reason)
 
     # -- supervised: the app runs in the supervisor's task, the request task watches ---
@@ -790,6 +911,12 @@ class _Exchange:
             self.delivery = _GONE
         runner = self.app_task or self.request_task
         assert runner is not None
+        watch = self.watch
+        if watch is not None and reason == "client":
+            # The server says the client left: it acknowledges nothing more.
+            transport = mw.transport
+            assert transport is not None
+            transport.closed(watch)
         if reason != "error":
             state.disconnect_reason = reason
             state.disconnected.set()
@@ -949,6 +1076,8 @@ class _Exchange:
                 except StopIteration:
                     writer.sent_index = len(chunks)
                     self.state.delivered_bytes += size
+                    if writer.watch is not None:
+                        writer.watch.sizes.append(size)
                     return
                 except OSError:
                     writer.lost("client")
@@ -956,6 +1085,8 @@ class _Exchange:
                 if waiting_on is DONE:
                     writer.sent_index = len(chunks)
                     self.state.delivered_bytes += size
+                    if writer.watch is not None:
+                        writer.watch.sizes.append(size)
                 else:
                     writer.wait_for(sending, waiting_on, message, size, len(chunks))
                 return
@@ -1051,6 +1182,7 @@ class _Exchange:
         writer = self.writer or self._open_writer()
         if kind == "http.response.pathsend":
             writer.end_response = False
+            self._forget_watch()  # the server sends the file: its bytes are not counted here
         writer.queue(message, after_end=self.body_ended and kind != "http.response.pathsend")
         if writer.direct:
             writer.pump()
@@ -1067,7 +1199,18 @@ class _Exchange:
             on_lost=self._writer_lost,
             on_done=self._part_done,
         )
+        writer.watch = self._open_watch()
         return writer
+
+    def _forget_watch(self) -> None:
+        watch = self.watch
+        if watch is not None:
+            self.watch = None
+            if self.writer is not None:
+                self.writer.watch = None
+            transport = self.mw.transport
+            assert transport is not None
+            transport.forget(watch)
 
     def _keep_alive(self, interval: float) -> None:
         """Every ``interval`` while an event stream runs: if nothing was produced since the
@@ -1101,7 +1244,7 @@ class _Exchange:
         """Open the generation; return the start message with ``x-generation-id`` added."""
         if self.generation is not None:
             raise RuntimeError("ASGI message 'http.response.start' sent twice")
-        headers = message.get("headers", ())
+        headers = self.head = message.get("headers", ())
         state = self.state
         generation = Generation(
             state.generation_id,
@@ -1128,12 +1271,12 @@ class _Exchange:
         headers.append((_GENERATION_HEADER, state.generation_id.encode()))
         return {**message, "headers": headers}
 
-    def _client_went_away(self) -> None:
+    def _client_went_away(self, reason: str = "client") -> None:
         # Servers at ASGI spec 2.4+ raise OSError on send when the client is gone.
         self.client_gone = True
         if self.delivery is not _DONE:
             self.delivery = _GONE
-        self._wake("client")
+        self._wake(reason)
 
     async def _send_whole(self, message: Message, size: int) -> None:
         """Send the whole response, one message, as the app gave it, from the producer's own

@@ -545,6 +545,7 @@ def _request_fields(scope: Scope, tee: _Tee, state: RequestState | None) -> dict
         "duration": tee.ended - tee.started,
         "policy": state.policy.value if state is not None and state.policy is not None else None,
         "detached": state.detached if state is not None else False,
+        "delivery": state.delivery if state is not None else "sent",
         "started_at": tee.started_at,
     }
 

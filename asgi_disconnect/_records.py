@@ -79,8 +79,10 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     ``interrupted`` (shutdown or a lost owner) or ``unknown`` (the body could not be
     analysed; then ``usage_source`` is ``"none"``). Token counts come from the provider when
     it sent usage (``usage_source="provider"``), else are estimated from the text
-    (``"estimated"``), else unknown (``"none"``). ``delivered_*`` is what the client
-    writer handed to the server; ``produced_*`` is what the app produced.
+    (``"estimated"``), else unknown (``"none"``). ``produced_*`` is what the app produced;
+    ``delivered_*`` is what reached the client: with ``delivery="acked"`` what its TCP
+    acknowledged (a streamed response on Linux), with ``"sent"`` what was handed to the
+    server.
     """
 
     generation_id: str | None
@@ -106,4 +108,5 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     error_type: str | None
     policy: str | None = None
     detached: bool = False
+    delivery: str = "sent"
     started_at: float

@@ -390,6 +390,7 @@ class TelemetryMiddleware:
             "asgi_disconnect.detached": state.detached,
             "asgi_disconnect.produced.bytes": state.produced_bytes,
             "asgi_disconnect.delivered.bytes": state.delivered_bytes,
+            "asgi_disconnect.delivery": state.delivery,
         }
         if status is not None:
             attributes["http.response.status_code"] = status

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from ._contract import RequestState
     from ._log import Generation
+    from ._transport import ConnectionWatch
 
 __all__ = ["ClientWriter", "Delivery"]
 
@@ -97,6 +98,7 @@ class ClientWriter:
         "sent_index",
         "state",
         "task",
+        "watch",
     )
 
     def __init__(
@@ -141,6 +143,8 @@ class ClientWriter:
         self.task.add_done_callback(on_done)
         # True while the producer may step sends itself: the writer is idle and caught up.
         self.direct = True
+        # The connection's transport, when watched: each body message handed is noted.
+        self.watch: ConnectionWatch | None = None
 
     def move(self, to: Delivery) -> None:
         """Move the response on; an impossible move is a bug, named by both states."""
@@ -285,11 +289,16 @@ class ClientWriter:
         kind = message["type"]
         if kind == "http.response.body":
             extras = self.extras
+            watch = self.watch
             if extras and extras[0][2] is message:
                 extras.pop(0)  # a keep-alive comment: not the log's, not the app's output
+                if watch is not None:
+                    watch.handed_other(len(message["body"]))
                 return
             self.sent_index = count
             self.state.delivered_bytes += size
+            if watch is not None:
+                watch.sizes.append(size)
             if (
                 self._room is not None
                 and self.generation.size - self.state.delivered_bytes <= self._room_behind
