@@ -21,6 +21,9 @@ field                  written by
 ``policy``             DisconnectMiddleware, when the client left
 ``detached``           DisconnectMiddleware, when the policy detached the work
 ``disconnected``       DisconnectMiddleware, when the client left or lagged
+``disconnect_reason``  DisconnectMiddleware, then: ``client`` (the server said it left),
+                       ``lag`` (no progress for ``max_lag_seconds``) or ``silent`` (its
+                       TCP acknowledged nothing for ``client_timeout``)
 ``delivered_bytes``    DisconnectMiddleware's client writer: what it handed to the
                        server; when the exchange ends, what the client's TCP
                        acknowledged where the kernel tells (``delivery``)

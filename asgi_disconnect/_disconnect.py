@@ -262,7 +262,7 @@ class DisconnectMiddleware:
                 startup=self._startup,
                 stop_admitting=self._stop_admitting,
                 finish=self._finish_generations,
-                close=self.backend.aclose,
+                close=self._close,
                 drain=self._drain,
             )
             await lifecycle.run(owner, self.app, scope, receive, send)
@@ -301,18 +301,28 @@ class DisconnectMiddleware:
         if not server:
             self._listeners_found = True  # a Unix socket: nothing to tune
             return
+        try:
+            port = int(server[1])  # granian's scope carries it as text
+        except (TypeError, ValueError):
+            self._listeners_found = True
+            return
         ports = self._tuned_ports
-        if ports is None or server[1] not in ports:
+        if ports is None or port not in ports:
             self._tune_listeners()
             ports = self._tuned_ports
         # A port that is still unknown is a proxy's, or a listener of another process.
         self._listeners_found = True
-        if ports is not None and server[1] not in ports:
+        if ports is not None and port not in ports:
             logger.info(
                 "no listening socket of this process serves port %s: connections are "
                 "judged by the transport monitor only",
                 server[1],
             )
+
+    async def _close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        await self.backend.aclose()
 
     def _stop_admitting(self) -> None:
         self.supervisor.stopping = True

@@ -108,6 +108,10 @@ class SockDiag:
     def close(self) -> None:
         self._sock.close()
 
+    def __del__(self) -> None:
+        # A monitor dropped with its loop (a test's server) closes its socket here.
+        self._sock.close()
+
     def request(self, local: tuple[str, int], remote: tuple[str, int]) -> bytes:
         """The query for one connection, to pass to :meth:`query` as often as needed."""
         family, source = _address(local[0])
@@ -219,6 +223,9 @@ def _chunk_framing(size: int) -> int:
     return ((size.bit_length() + 3) >> 2) + 4 if size else 0
 
 
+# A watch forgets the messages its client acknowledged once it holds this many.
+_PRUNE_AT = 256
+
 # The peer sent its FIN (or both ends are closing): no more acknowledgements will come.
 _PEER_CLOSED = frozenset({7, 8, 9, 11})  # close, close-wait, last-ack, closing
 
@@ -235,8 +242,8 @@ class ConnectionWatch:
 
     __slots__ = (
         "_body",
+        "_other",
         "_wire",
-        "acked_body",
         "base",
         "chunked",
         "dead",
@@ -269,7 +276,7 @@ class ConnectionWatch:
         self.sizes = array.array("q")
         self._body = 0  # body bytes of the messages pruned from sizes
         self._wire = 0  # their bytes on the wire
-        self.acked_body = 0
+        self._other = 0  # bytes on the wire in sizes that are not body (keep-alives)
         self.dead = False
         self.final = False
         self.on_dead: Callable[[], None] | None = on_dead
@@ -277,42 +284,70 @@ class ConnectionWatch:
 
     def handed_other(self, size: int) -> None:
         """A body message of ``size`` bytes that is not the app's output (a keep-alive)."""
-        self.sizes.append(-(size + (_chunk_framing(size) if self.chunked else 0)))
+        wire = size + (_chunk_framing(size) if self.chunked else 0)
+        self.sizes.append(-wire)
+        self._other += wire
 
     def update(self, sample: TcpSample) -> None:
-        """Take a new sample: the body bytes acknowledged so far; prune what they cover."""
+        """Take a new sample. Cheap: the body it covers is worked out when asked for."""
         self.last = sample
         if sample.bytes_acked < 0:  # time-wait: all of it
             self.all_received()
             return
         if sample.state in _PEER_CLOSED:
             self.final = True
-        acked = sample.bytes_acked - self.base
         sizes = self.sizes
+        if (
+            sizes
+            and not sample.queued
+            and sample.bytes_acked - self.base - self._wire >= sum(sizes) + 2 * self._other
+        ):
+            # Nothing is left unacknowledged, and at least every byte handed was: all of it.
+            self.all_received()
+
+    @property
+    def acked_body(self) -> int:
+        """The body bytes the client's TCP acknowledged, by the last sample."""
+        sizes = self.sizes
+        if not sizes:
+            return self._body
+        acked = self.last.bytes_acked - self.base
         body, wire = self._body, self._wire
         chunked = self.chunked
         covered = 0
         partial = 0
         for size in sizes:
-            on_wire = -size if size < 0 else size + (_chunk_framing(size) if chunked else 0)
+            if size < 0:
+                on_wire = -size
+            elif chunked:
+                head = ((size.bit_length() + 3) >> 2) + 2
+                on_wire = head + size + 2
+            else:
+                head, on_wire = 0, size
             if wire + on_wire > acked:
                 if size > 0:
-                    head = ((size.bit_length() + 3) >> 2) + 2 if chunked else 0
                     partial = min(max(acked - wire - head, 0), size)
                 break
             wire += on_wire
             if size > 0:
                 body += size
+            else:
+                self._other += size
             covered += 1
         if covered:
-            del sizes[:covered]
+            del sizes[:covered]  # acknowledged: no need to hold them
             self._body, self._wire = body, wire
-        self.acked_body = body + partial
+        return body + partial
 
-    def all_received(self) -> None:
-        self.acked_body = self._body + sum(size for size in self.sizes if size > 0)
+    def all_received(self, *, final: bool = False) -> None:
+        """Everything handed so far reached the client (``final``: and nothing more will)."""
+        self._body += sum(self.sizes) + self._other
+        acked = self.last.bytes_acked
+        if acked >= 0:
+            self._wire = acked - self.base
+        self._other = 0
         self.sizes = array.array("q")
-        self.final = True
+        self.final = self.final or final or acked < 0
 
     @property
     def settled(self) -> bool:
@@ -387,9 +422,10 @@ class TransportMonitor:
         if diag is None:
             return None
         try:
-            request = diag.request((server[0], server[1]), (client[0], client[1]))
+            # int(): granian's scope carries its ports as text.
+            request = diag.request((server[0], int(server[1])), (client[0], int(client[1])))
             sample = diag.query(request)
-        except (OSError, ValueError, struct.error):
+        except (OSError, ValueError, TypeError, OverflowError, struct.error):
             sample = None
         if sample is None or sample.bytes_acked < 0 or sample.state != 1:
             if not self.watches:
@@ -434,6 +470,12 @@ class TransportMonitor:
             if watch.on_settled is not None:
                 self._settled(watch)
 
+    def close(self) -> None:
+        """Watch nothing more (the lifespan's end): settle what waits, close the socket."""
+        self.settle_all()
+        self.watches.clear()
+        self._close()
+
     def _drop(self, watch: ConnectionWatch) -> None:
         """Watch it no more; with nothing left to watch, close the netlink socket."""
         self.watches.pop(watch, None)
@@ -460,6 +502,8 @@ class TransportMonitor:
             self._gone(watch)
             return
         watch.update(sample)
+        if len(watch.sizes) > _PRUNE_AT:
+            watch.acked_body  # noqa: B018 - works out what is acknowledged, and forgets it
         if (
             not watch.final
             and sample.queued
@@ -480,7 +524,7 @@ class TransportMonitor:
             watch.final = True
             self._dead(watch)
         else:
-            watch.all_received()
+            watch.all_received(final=True)
 
     def _dead(self, watch: ConnectionWatch) -> None:
         watch.dead = watch.final = True

@@ -52,6 +52,11 @@ logging.getLogger("asgi_disconnect").setLevel(logging.ERROR)
 # backend here keeps the last thousand (each stream's log holds 1,000 chunks), evicting the
 # oldest an eighth at a time as it would in production.
 wrapped_app = DisconnectMiddleware(make_app(), backend=MemoryBackend(max_generations=1000))
+# The same without the transport's watch (client_timeout=None): what judging the client by
+# what its TCP acknowledged costs, the difference of the two rows.
+untimed_app = DisconnectMiddleware(
+    make_app(), backend=MemoryBackend(max_generations=1000), client_timeout=None
+)
 
 
 def installed_app() -> Starlette:
@@ -160,6 +165,7 @@ APPS: dict[str, tuple[str, bool]] = {
     "otel": ("benchmarks.apps:otel_app", True),
     "otel-request-span": ("benchmarks.apps:otel_request_only_app", True),
     "disconnect": ("benchmarks.apps:wrapped_app", False),
+    "disconnect-untimed": ("benchmarks.apps:untimed_app", False),
     "install": ("benchmarks.apps:installed_app", True),
     "install-telemetry": ("benchmarks.apps:installed_telemetry_app", True),
     "install-telemetry-sampled": ("benchmarks.apps:installed_telemetry_sampled_app", True),

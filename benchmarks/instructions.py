@@ -2,7 +2,8 @@
 
 Each app of ``benchmarks.apps.APPS`` asked for (``--apps``; by default all: bare,
 asgi-correlation-id, opentelemetry-instrumentation-asgi with its defaults and with one span
-per request, DisconnectMiddleware alone, and ``install()``) is served by uvicorn (h11,
+per request, DisconnectMiddleware alone, the same with ``client_timeout=None`` (no transport
+watch: the difference is what judging clients by their TCP costs), and ``install()``) is served by uvicorn (h11,
 asyncio, one worker) under ``valgrind --tool=callgrind``. One keep-alive connection sends
 warm-up requests, the counters are zeroed, the measured requests follow one after another,
 and the counts are dumped: instructions per request (or per stream) of the whole server

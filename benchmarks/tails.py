@@ -78,9 +78,7 @@ async def read(args: argparse.Namespace, url: str) -> tuple[float, float, int]:
             return got[n]
 
         cpu, wall, before = time.process_time(), time.monotonic(), statements
-        readers = [
-            asyncio.ensure_future(tail(n, ids[n % len(ids)])) for n in range(args.tails)
-        ]
+        readers = [asyncio.ensure_future(tail(n, ids[n % len(ids)])) for n in range(args.tails)]
         _, pending = await asyncio.wait(readers, timeout=args.seconds + 30)
         if pending:
             stuck = sorted({ids[n % len(ids)] for n, r in enumerate(readers) if r in pending})
