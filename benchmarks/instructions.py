@@ -3,9 +3,10 @@
 Each app of ``benchmarks.apps.APPS`` asked for (``--apps``; by default all: bare,
 asgi-correlation-id, opentelemetry-instrumentation-asgi with its defaults and with one span
 per request, DisconnectMiddleware alone, the same with ``client_timeout=None`` (no transport
-watch: the difference is what judging clients by their TCP costs), and ``install()``) is served by uvicorn (h11,
-asyncio, one worker) under ``valgrind --tool=callgrind``. One keep-alive connection sends
-warm-up requests, the counters are zeroed, the measured requests follow one after another,
+watch: the difference is what judging clients by their TCP costs), and ``install()``) is
+served by uvicorn (h11, asyncio, one worker) under ``valgrind --tool=callgrind``. One
+keep-alive connection sends warm-up requests, the counters are zeroed, the measured requests
+follow one after another,
 and the counts are dumped: instructions per request (or per stream) of the whole server
 process, what each app adds to bare, per chunk for the streams, and the ratio bare / app
 (the throughput ratio it stands for). The same binary, inputs and environment give the same

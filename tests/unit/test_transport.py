@@ -114,7 +114,8 @@ def test_sock_diag_reads_what_the_peer_acknowledged(
     try:
         request = diag.request(served.getsockname(), served.getpeername())
         before = diag.query(request)
-        assert before is not None and before.state == 1
+        assert before is not None
+        assert before.state == 1
         served.sendall(b"x" * 5000)
         client.recv(5000, socket.MSG_WAITALL)
         deadline = time.monotonic() + 5
@@ -266,11 +267,13 @@ async def test_a_client_gone_mid_stream_is_settled_at_once_by_what_it_acknowledg
     records: list[UsageRecord] = []
     app = _app(records)
     with run_server(app, server="uvicorn") as server:
-        async with httpx.AsyncClient(base_url=server.url) as client:
-            async with client.stream("GET", "/stream") as response:
-                async for chunk in response.aiter_raw():
-                    got = len(chunk)
-                    break
+        async with (
+            httpx.AsyncClient(base_url=server.url) as client,
+            client.stream("GET", "/stream") as response,
+        ):
+            async for chunk in response.aiter_raw():
+                got = len(chunk)
+                break
         deadline = time.monotonic() + 3
         while not records:
             assert time.monotonic() < deadline, "no record"
