@@ -154,7 +154,9 @@ class DisconnectMiddleware:
         resume_token_ttl: float = 300.0,
         client_timeout: float | None = 10.0,
     ) -> None:
-        if client_timeout is not None and not client_timeout >= 1:
+        if client_timeout is not None and (
+            isinstance(client_timeout, bool) or not client_timeout >= 1
+        ):
             raise ValueError("client_timeout must be at least 1 second, or None")
         if keep_alive is not None and not keep_alive > 0:
             raise ValueError("keep_alive must be a positive number of seconds, or None")
@@ -1086,8 +1088,8 @@ class _Exchange:
                 except StopIteration:
                     writer.sent_index = len(chunks)
                     self.state.delivered_bytes += size
-                    if writer.watch is not None:
-                        writer.watch.sizes.append(size)
+                    if writer.note is not None:
+                        writer.note(size)
                     return
                 except OSError:
                     writer.lost("client")
@@ -1095,8 +1097,8 @@ class _Exchange:
                 if waiting_on is DONE:
                     writer.sent_index = len(chunks)
                     self.state.delivered_bytes += size
-                    if writer.watch is not None:
-                        writer.watch.sizes.append(size)
+                    if writer.note is not None:
+                        writer.note(size)
                 else:
                     writer.wait_for(sending, waiting_on, message, size, len(chunks))
                 return
@@ -1209,7 +1211,9 @@ class _Exchange:
             on_lost=self._writer_lost,
             on_done=self._part_done,
         )
-        writer.watch = self._open_watch()
+        watch = writer.watch = self._open_watch()
+        if watch is not None:
+            writer.note = watch.sizes.append
         return writer
 
     def _forget_watch(self) -> None:
@@ -1217,7 +1221,7 @@ class _Exchange:
         if watch is not None:
             self.watch = None
             if self.writer is not None:
-                self.writer.watch = None
+                self.writer.watch = self.writer.note = None
             transport = self.mw.transport
             assert transport is not None
             transport.forget(watch)

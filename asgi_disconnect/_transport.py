@@ -346,7 +346,7 @@ class ConnectionWatch:
         if acked >= 0:
             self._wire = acked - self.base
         self._other = 0
-        self.sizes = array.array("q")
+        del self.sizes[:]  # in place: the writer holds its append
         self.final = self.final or final or acked < 0
 
     @property
@@ -490,7 +490,7 @@ class TransportMonitor:
             self._diag.close()
             self._diag = None
 
-    def _sample(self, watch: ConnectionWatch) -> None:
+    def _sample(self, watch: ConnectionWatch, *, prune: bool = False) -> None:
         diag = self._diag
         sample = None
         if diag is not None:
@@ -502,7 +502,7 @@ class TransportMonitor:
             self._gone(watch)
             return
         watch.update(sample)
-        if len(watch.sizes) > _PRUNE_AT:
+        if prune and len(watch.sizes) > _PRUNE_AT:
             watch.acked_body  # noqa: B018 - works out what is acknowledged, and forgets it
         if (
             not watch.final
@@ -549,7 +549,7 @@ class TransportMonitor:
         settling = False
         for watch in list(self.watches):
             if not watch.final:
-                self._sample(watch)
+                self._sample(watch, prune=watch.on_settled is None)
             if watch.on_settled is not None:
                 if watch.settled:
                     self._settled(watch)

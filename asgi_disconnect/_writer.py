@@ -97,6 +97,7 @@ class ClientWriter:
         "send_started",
         "sent_index",
         "state",
+        "note",
         "task",
         "watch",
     )
@@ -145,6 +146,7 @@ class ClientWriter:
         self.direct = True
         # The connection's transport, when watched: each body message handed is noted.
         self.watch: ConnectionWatch | None = None
+        self.note: Callable[[int], None] | None = None  # watch.sizes.append
 
     def move(self, to: Delivery) -> None:
         """Move the response on; an impossible move is a bug, named by both states."""
@@ -297,8 +299,8 @@ class ClientWriter:
                 return
             self.sent_index = count
             self.state.delivered_bytes += size
-            if watch is not None:
-                watch.sizes.append(size)
+            if self.note is not None:
+                self.note(size)
             if (
                 self._room is not None
                 and self.generation.size - self.state.delivered_bytes <= self._room_behind

@@ -159,7 +159,7 @@ def test_listeners_get_the_user_timeout_and_accepted_sockets_inherit_it() -> Non
         assert listener.fileno() >= 0
 
 
-@pytest.mark.parametrize("value", [0, 0.5, -3.0])
+@pytest.mark.parametrize("value", [0, 0.5, -3.0, float("nan"), True])
 def test_a_client_timeout_under_a_second_is_refused(value: float) -> None:
     with pytest.raises(ValueError, match="client_timeout"):
         DisconnectMiddleware(Starlette(), backend=MemoryBackend(), client_timeout=value)
