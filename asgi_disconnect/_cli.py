@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import secrets
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +53,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--model", default=None, help="the model the web page asks for")
     demo.add_argument("--tokens", type=int, default=200, help="FakeProvider: tokens per answer")
     demo.add_argument("--rate", type=float, default=20.0, help="FakeProvider: tokens per second")
+    demo.add_argument(
+        "--drain-token",
+        default=None,
+        help="the bearer token POST /drainz takes (default $ASGI_DISCONNECT_DRAIN_TOKEN, "
+        "else a random one, printed)",
+    )
 
     generations = commands.add_parser("generations", help="list, show and tail generations")
     actions = generations.add_subparsers(dest="action", required=True)
@@ -119,7 +126,18 @@ def _demo(args: argparse.Namespace) -> int:
     else:
         where = upstream + ("" if api_key else " (no key in the environment)")
     model = args.model or ("fake-model" if provider is not None else "gpt-4o-mini")
-    app = make_app(upstream=upstream, backend_url=backend_url, api_key=api_key, model=model)
+    drain_token = (
+        args.drain_token
+        or os.environ.get("ASGI_DISCONNECT_DRAIN_TOKEN")
+        or secrets.token_urlsafe(18)
+    )
+    app = make_app(
+        upstream=upstream,
+        backend_url=backend_url,
+        api_key=api_key,
+        model=model,
+        drain_token=drain_token,
+    )
     url = f"http://{args.host}:{args.port}/"
     print(
         f"asgi-disconnect demo\n"
@@ -129,6 +147,7 @@ def _demo(args: argparse.Namespace) -> int:
         f"  reports     POST {url}v1/reports            (detach)\n"
         f"  upstream    {where}\n"
         f"  generations {backend_url}\n"
+        f"  drain       POST {url}drainz  (authorization: Bearer {drain_token})\n"
         f"Ctrl-C stops it.",
         flush=True,
     )

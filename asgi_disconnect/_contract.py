@@ -85,6 +85,7 @@ if TYPE_CHECKING:
     from ._records import Claim, GenerationInfo, StoredResponse, UsageRecord
 
 __all__ = [
+    "CREDENTIAL_HEADERS",
     "SCOPE_KEY",
     "Backend",
     "ClaimStore",
@@ -109,13 +110,25 @@ Principal = Callable[["Scope"], "str | None"]
 UsageSink = Callable[["UsageRecord"], Awaitable[None] | None]
 
 
+# The headers that carry a caller's credentials to an LLM API: OpenAI and most gateways
+# (Authorization), Anthropic (x-api-key), Azure OpenAI (api-key), Gemini (x-goog-api-key).
+CREDENTIAL_HEADERS = (b"authorization", b"x-api-key", b"api-key", b"x-goog-api-key")
+_CREDENTIALS = frozenset(CREDENTIAL_HEADERS)
+
+
 def default_principal(scope: Scope) -> str:
-    """A digest of the caller's ``Authorization`` or ``x-api-key`` header, name and value
-    (the same secret in the two headers is two callers); ``""`` if neither is there."""
-    for name, value in scope["headers"]:
-        if name == b"authorization" or name == b"x-api-key":
-            return hashlib.sha256(name + b":" + value).hexdigest()[:32]
-    return ""
+    """A digest over every credential header the request carries (:data:`CREDENTIAL_HEADERS`),
+    names and values, in any order; ``""`` (anonymous) if it carries none.
+
+    A request with one credential header has the digest of ``name:value`` alone, as before
+    this digest covered them all, so its generations stay its own across an upgrade.
+    """
+    found = [name + b":" + value for name, value in scope["headers"] if name in _CREDENTIALS]
+    if not found:
+        return ""
+    if len(found) > 1:
+        found.sort()
+    return hashlib.sha256(b"\n".join(found)).hexdigest()[:32]
 
 
 class _IdSource:

@@ -36,7 +36,14 @@ from ._log import Generation
 from ._policy import Policy, PolicySource, check_source, resolve_policy, route_policy
 from ._problem import send_problem
 from ._records import Status
-from ._resume import DRAINED, STOPPED, ResumeEndpoints, error_frame, is_event_stream
+from ._resume import (
+    DRAINED,
+    STOPPED,
+    ResumeEndpoints,
+    error_frame,
+    is_event_stream,
+    redact_tokens_in_access_logs,
+)
 from ._supervisor import Supervisor
 from ._transport import SUPPORTED as _TRANSPORT_SUPPORTED
 from ._transport import TransportMonitor, tune_listeners
@@ -205,6 +212,8 @@ class DisconnectMiddleware:
         self._resume = ResumeEndpoints(
             backend, self.principal, secret=resume_secret, token_ttl=resume_token_ttl
         )
+        if resume_prefix is not None:
+            redact_tokens_in_access_logs()
         self._warned_no_lifespan = False
         self._loop_checked = False
         # (method, path) -> whether that route can only cancel, learned after routing.
@@ -273,6 +282,8 @@ class DisconnectMiddleware:
 
     async def _startup(self) -> None:
         _check_asyncio()
+        if self.resume_prefix is not None:
+            redact_tokens_in_access_logs()  # again: a server may configure logging late
         await self.backend.open()
         self.supervisor.start()
         if self.client_timeout is not None and not _TRANSPORT_SUPPORTED:

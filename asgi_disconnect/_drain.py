@@ -43,6 +43,8 @@ logger = logging.getLogger("asgi_disconnect")
 
 _encode = msgspec.json.Encoder().encode
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+# A request that carries any of these came through a proxy: its address is not its own.
+_FORWARDED = frozenset({b"forwarded", b"x-forwarded-for", b"x-real-ip", b"x-forwarded-host"})
 # After the deadline, how long a drain waits for interrupted work to finish ending.
 _GRACE = 5.0
 
@@ -55,8 +57,10 @@ class DrainMiddleware:
     - ``retry_after``: the ``Retry-After`` of refused requests and of draining frames;
     - ``ready_path``: readiness, 200 while serving, 503 while draining (None: none);
     - ``drain_path``: ``POST`` starts a drain, ``?deadline=S``, ``?wait=true`` answers
-      when it is over; from loopback, or with ``Authorization: Bearer {drain_token}``
-      (None: no endpoint);
+      when it is over; only with ``Authorization: Bearer {drain_token}`` (None: no
+      endpoint), or from loopback with ``trust_loopback=True`` (a warning at startup says
+      so; a request that came through a proxy never counts as loopback). The readiness
+      body shows the requests in flight to the same callers only;
     - ``resume_prefix``: requests under it (resume reads, Stops) are served while draining;
     - ``signals``: take SIGTERM from the server (main thread only), drain, hand it back;
     - ``window``: how many recent request durations :meth:`suggest_drain_deadline` reads.
@@ -71,6 +75,7 @@ class DrainMiddleware:
         ready_path: str | None = "/readyz",
         drain_path: str | None = "/drainz",
         drain_token: str | None = None,
+        trust_loopback: bool = False,
         resume_prefix: str | None = "/generations",
         signals: bool = True,
         window: int = 1000,
@@ -89,7 +94,10 @@ class DrainMiddleware:
         self.retry_after = retry_after
         self.ready_path = ready_path
         self.drain_path = drain_path
-        self._token = drain_token.encode() if drain_token else None
+        if drain_token is not None and (not drain_token or not drain_token.isascii()):
+            raise ValueError("drain_token must be a non-empty ASCII string")
+        self._token = b"Bearer " + drain_token.encode() if drain_token else None
+        self.trust_loopback = trust_loopback
         self.resume_prefix = resume_prefix
         self.signals = signals
         self.in_flight = 0
@@ -98,6 +106,8 @@ class DrainMiddleware:
         self.drained = False
         self.lifecycle: Lifecycle | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        # The drain under way: its deadline in seconds, and when it ends (the loop's clock).
+        self._deadline: tuple[float, float] | None = None
         self._idle: asyncio.Event | None = None
         self._retry_header = (b"retry-after", str(retry_after).encode())
         self._restore_signal: Any = None
@@ -109,7 +119,7 @@ class DrainMiddleware:
         if kind == "http":
             path = scope["path"]
             if path == self.ready_path:
-                await self._ready(send)
+                await self._ready(scope, send)
                 return
             if path == self.drain_path:
                 await self._drain_endpoint(scope, send)
@@ -161,19 +171,21 @@ class DrainMiddleware:
             headers=[self._retry_header, (b"connection", b"close")],
         )
 
-    async def _ready(self, send: Send) -> None:
+    async def _ready(self, scope: Scope, send: Send) -> None:
+        # Readiness is for anyone (a load balancer's probe); what runs, for operators only.
+        operator = self._may_drain(scope)
         if self.draining:
+            detail = "Draining."
+            if operator:
+                detail = f"Draining; {self.in_flight} request(s) in flight."
             await send_problem(
-                send,
-                503,
-                "draining",
-                "Not Ready",
-                f"Draining; {self.in_flight} request(s) in flight.",
-                headers=[self._retry_header],
+                send, 503, "draining", "Not Ready", detail, headers=[self._retry_header]
             )
             return
-        body = _encode({"status": "ready", "in_flight": self.in_flight})
-        await send_json(send, 200, body)
+        ready: dict[str, object] = {"status": "ready"}
+        if operator:
+            ready["in_flight"] = self.in_flight
+        await send_json(send, 200, _encode(ready))
 
     async def _drain_endpoint(self, scope: Scope, send: Send) -> None:
         if scope["method"] != "POST":
@@ -192,7 +204,9 @@ class DrainMiddleware:
                 403,
                 "drain-forbidden",
                 "Forbidden",
-                "A drain is started from loopback, or with the drain token.",
+                "A drain is started with Authorization: Bearer {drain_token}"
+                + ("" if self._token is not None else "; this server has no drain_token set")
+                + ".",
             )
             return
         query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
@@ -215,21 +229,32 @@ class DrainMiddleware:
         task = self.start_drain(deadline)
         if wait:
             await asyncio.shield(task)
+        # A drain already under way keeps its deadline: say which applies, and how long is left.
+        assert self._deadline is not None
+        applies, end = self._deadline
+        remaining = 0.0 if self.drained else max(0.0, end - asyncio.get_running_loop().time())
         body = _encode(
             {
                 "status": "drained" if self.drained else "draining",
-                "deadline": deadline,
+                "deadline": applies,
+                "remaining": round(remaining, 3),
                 "in_flight": self.in_flight,
             }
         )
         await send_json(send, 200 if self.drained else 202, body)
 
     def _may_drain(self, scope: Scope) -> bool:
+        """An operator: the drain token, or loopback when trusted and not forwarded."""
         token = self._token
-        if token is not None:
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    return hmac.compare_digest(value, b"Bearer " + token)
+        forwarded = False
+        for name, value in scope["headers"]:
+            if name == b"authorization" and token is not None:
+                if hmac.compare_digest(value, token):
+                    return True
+            elif name in _FORWARDED:
+                forwarded = True
+        if not self.trust_loopback or forwarded:
+            return False
         client = scope.get("client")
         return client is not None and client[0] in _LOOPBACK
 
@@ -240,9 +265,10 @@ class DrainMiddleware:
         task = self._drain_task
         if task is None:
             self.draining = True
-            task = self._drain_task = asyncio.get_running_loop().create_task(
-                self._run(self.deadline if deadline is None else deadline)
-            )
+            seconds = self.deadline if deadline is None else deadline
+            loop = asyncio.get_running_loop()
+            self._deadline = (seconds, loop.time() + seconds)
+            task = self._drain_task = loop.create_task(self._run(seconds))
         return task
 
     async def drain(self, deadline: float | None = None) -> None:
@@ -287,6 +313,13 @@ class DrainMiddleware:
     def _startup(self) -> None:
         self.draining = self.drained = False
         self._drain_task = None
+        self._deadline = None
+        if self.trust_loopback and self.drain_path is not None:
+            logger.warning(
+                "DrainMiddleware trusts loopback: any process on this host, and any same-host "
+                "proxy or port forward, may drain this server at %s; set drain_token instead",
+                self.drain_path,
+            )
         if self.signals:
             self._take_sigterm()
 

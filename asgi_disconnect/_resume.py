@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl
 import anyio
 import msgspec
 
+from ._contract import request_state
 from ._problem import send_json, send_problem
 from ._records import GenerationInfo, Status
 
@@ -169,9 +170,12 @@ class ResumeEndpoints:
         digest = hmac.new(self.secret, message, hashlib.sha256).digest()
         return urlsafe_b64encode(digest).rstrip(b"=").decode()
 
-    def _token_principal(self, scope: Scope, generation_id: str, owner: str) -> bool | None:
+    def _token_principal(
+        self, scope: Scope, generation_id: str, owner: str | None
+    ) -> bool | None:
         """None without a ``token`` parameter; else whether it reads this generation as
-        ``owner``, unexpired."""
+        ``owner``, unexpired. A malformed token, or one for an unknown generation (``owner``
+        None), is False: every token that does not verify gets one answer."""
         values = [
             value
             for name, value in parse_qsl(scope.get("query_string", b"").decode("latin-1"))
@@ -182,9 +186,11 @@ class ResumeEndpoints:
         expires, dot, mac = values[-1].partition(".")
         if not dot or not expires.isascii() or not expires.isdigit() or len(expires) > 12:
             return False
-        if int(expires) < time.time():
+        if owner is None or int(expires) < time.time():
             return False
-        return hmac.compare_digest(mac, self._mac(generation_id, owner, int(expires)))
+        expected = self._mac(generation_id, owner, int(expires))
+        # Bytes: compare_digest refuses a str that is not ASCII.
+        return hmac.compare_digest(mac.encode("utf-8", "replace"), expected.encode())
 
     def handles(self, rest: str) -> bool:
         """Whether ``rest`` (the path after the prefix) names a resume endpoint; other paths
@@ -243,7 +249,7 @@ class ResumeEndpoints:
         # Another caller's generation is indistinguishable from a missing one. A browser's
         # EventSource cannot send Authorization: a resume token stands for it, to read.
         granted = None
-        if owner is not None and allowed[0] == "GET":
+        if allowed[0] == "GET":
             granted = self._token_principal(scope, generation_id, owner)
         if granted is False:
             await send_problem(
@@ -251,10 +257,14 @@ class ResumeEndpoints:
                 401,
                 "invalid-resume-token",
                 "Invalid Resume Token",
-                "The resume token is expired, or was not made for this generation.",
+                "The resume token is malformed or expired, or was not made for this "
+                "generation.",
             )
             return
-        readable = owner is not None and (granted is True or owner == (self.principal(scope) or ""))
+        # An anonymous caller (no credential) owns nothing: only a token reads an anonymous
+        # generation.
+        caller = request_state(scope, self.principal).principal
+        readable = owner is not None and (granted is True or (owner != "" and owner == caller))
         info = await self.backend.get(generation_id) if readable else None
         if info is None:
             await send_problem(
@@ -272,7 +282,7 @@ class ResumeEndpoints:
             await self._cancel(send, info)
             return
         if action == "token":
-            token = self.token(info.id, owner or "")
+            token = self.token(info.id, caller)
             await send_json(send, 200, _encode({"token": token, "expires_in": int(self.token_ttl)}))
             return
         await self._stream(scope, receive, send, info)
@@ -514,3 +524,34 @@ def _parse_offset(query_string: bytes) -> int | None:
     if len(values) > 1:
         return None
     return _parse_number(values[0])
+
+
+_TOKEN_IN_QUERY = re.compile(r"([?&]token=)[^&\s\"]*")
+# The access loggers of the servers the package is tested under.
+ACCESS_LOGGERS = ("uvicorn.access", "hypercorn.access", "granian.access")
+
+
+class RedactResumeTokens(logging.Filter):
+    """Replaces the value of a ``token`` query parameter in access log lines with
+    ``[redacted]``: a resume token in a log would read its generation until it expires."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(
+            isinstance(arg, str) and "token=" in arg for arg in args
+        ):
+            record.args = tuple(
+                _TOKEN_IN_QUERY.sub(r"\1[redacted]", arg) if isinstance(arg, str) else arg
+                for arg in args
+            )
+        if isinstance(record.msg, str) and "token=" in record.msg:
+            record.msg = _TOKEN_IN_QUERY.sub(r"\1[redacted]", record.msg)
+        return True
+
+
+def redact_tokens_in_access_logs() -> None:
+    """Put :class:`RedactResumeTokens` on the servers' access loggers, once."""
+    for name in ACCESS_LOGGERS:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, RedactResumeTokens) for f in target.filters):
+            target.addFilter(RedactResumeTokens())

@@ -90,6 +90,7 @@ class ClientWriter:
         "lag_timer",
         "loop",
         "max_lag_seconds",
+        "note",
         "on_done",
         "on_lost",
         "plain",
@@ -97,7 +98,6 @@ class ClientWriter:
         "send_started",
         "sent_index",
         "state",
-        "note",
         "task",
         "watch",
     )

@@ -14,6 +14,15 @@ from starlette.routing import Route
 from asgi_disconnect import disconnect_policy
 
 
+# Tests that are not about who a caller is run as one principal: an anonymous caller (no
+# credential header) can read nothing back.
+TESTER = "tester"
+
+
+def as_tester(scope: object) -> str:
+    return TESTER
+
+
 @dataclass
 class Probe:
     """What a test app observed, with events to wait on."""

@@ -8,19 +8,24 @@ Routes:
 - ``POST /v1/reports``: long-form, OpenAI-compatible, policy ``detach``;
 - ``/generations/...``: status, resume, Stop (the stack's own);
 - ``GET /``: the web page; ``POST /ask``: its form, answered as server-rendered HTML;
-- ``GET /demo/usage/{id}``: a request's usage record once it is settled (404 before);
-  ``GET /demo/stats``: the live panel's figures;
-- ``GET /readyz``, ``POST /drainz``: readiness and drain.
+- ``GET /demo/usage/{id}``: a request's usage record once it is settled (404 before, and
+  for another caller's); ``GET /demo/stats``: the live panel's figures;
+- ``GET /readyz``, ``POST /drainz``: readiness and drain (with the drain token).
+
+Who a caller is: its credential headers (the package's default), else the page's session
+cookie, which ``GET /`` sets; a request with neither is anonymous and reads nothing back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import html
 import json
+import secrets
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import FastAPI, Form, Request
@@ -32,6 +37,7 @@ from .. import (
     DrainMiddleware,
     UsageRecord,
     connect,
+    default_principal,
     disconnect_policy,
     install,
     metered,
@@ -40,11 +46,37 @@ from ..sse import SSEDecoder
 from ..upstream import UpstreamStatusError, UpstreamStreamError, open_stream
 from ._page import page, page_parts
 
+if TYPE_CHECKING:
+    from starlette.types import Scope
+
 __all__ = ["make_app"]
 
 # Headers a provider needs that the client sends (auth, API version, content type).
 _FORWARDED = ("authorization", "x-api-key", "anthropic-version", "anthropic-beta", "content-type")
 _DEFAULT_PROMPT = "Write a short report on why streamed answers should survive a disconnect."
+SESSION_COOKIE = "asgi_demo_session"
+
+
+def _session(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"cookie":
+            text: str = value.decode("latin-1")
+            for part in text.split(";"):
+                key, _, cookie = part.strip().partition("=")
+                if key == SESSION_COOKIE and cookie:
+                    return cookie
+    return None
+
+
+def demo_principal(scope: Scope) -> str:
+    """The caller's credentials (as the package's default), else the page's session."""
+    principal = default_principal(scope)
+    if principal:
+        return principal
+    session = _session(scope)
+    if session is None:
+        return ""
+    return "page:" + hashlib.sha256(session.encode()).hexdigest()[:32]
 
 
 def make_app(
@@ -55,9 +87,12 @@ def make_app(
     model: str = "fake-model",
     first_token_timeout: float = 60.0,
     idle_timeout: float = 60.0,
+    drain_token: str | None = None,
 ) -> FastAPI:
     """The gateway, forwarding to ``upstream`` (a base URL; ``api_key`` is sent to it as
-    ``Authorization: Bearer`` and ``x-api-key`` when the client sends none)."""
+    ``Authorization: Bearer`` and ``x-api-key`` when the client sends none). ``POST
+    /drainz`` takes ``Authorization: Bearer {drain_token}`` (None: a random one, so no one
+    drains it)."""
     usage: dict[str, UsageRecord] = {}
     order: deque[str] = deque()
     client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(None, connect=10.0))
@@ -139,8 +174,14 @@ def make_app(
         return await relay(request, "/v1/chat/completions")
 
     @app.get("/", response_class=HTMLResponse)
-    async def index(g: str | None = None) -> HTMLResponse:
-        return HTMLResponse(page(prompt=_DEFAULT_PROMPT, generation_id=g, model=model))
+    async def index(request: Request, g: str | None = None) -> HTMLResponse:
+        response = HTMLResponse(page(prompt=_DEFAULT_PROMPT, generation_id=g, model=model))
+        if _session(request.scope) is None:
+            # The page's identity: what it asks for, it alone reads back, resumes and stops.
+            response.set_cookie(
+                SESSION_COOKIE, secrets.token_urlsafe(24), httponly=True, samesite="strict"
+            )
+        return response
 
     @app.post("/ask")
     @disconnect_policy("detach")
@@ -163,9 +204,11 @@ def make_app(
         )
 
     @app.get("/demo/usage/{generation_id}")
-    async def usage_of(generation_id: str) -> Response:
+    async def usage_of(request: Request, generation_id: str) -> Response:
         record = usage.get(generation_id)
-        if record is None:
+        caller = demo_principal(request.scope)
+        # Another caller's record is one that does not exist, as for the generations.
+        if record is None or not caller or record.principal != caller:
             return _problem(404, "usage-not-settled", "No usage record yet: metering…")
         fields = (
             "generation_id", "route", "outcome", "policy", "detached", "usage_source",
@@ -200,7 +243,8 @@ def make_app(
         backend=connect(backend_url),
         sinks=[keep],
         idempotency=True,
-        drain={"deadline": 30.0},
+        principal=demo_principal,
+        drain={"deadline": 30.0, "drain_token": drain_token or secrets.token_urlsafe(24)},
         # The page and the panel are not generations.
         exclude_paths=(r"/$", r"/demo/"),
     )

@@ -15,7 +15,7 @@ from asgi_disconnect import BackendUnavailable, DisconnectMiddleware, UsageRecor
 from asgi_disconnect._backends import Backend, DurableBackend
 from asgi_disconnect._log import Generation, Status
 from asgi_disconnect.testing import drive
-from tests.apps import Probe, sse_app
+from tests.apps import TESTER, Probe, as_tester, sse_app
 
 pytestmark = pytest.mark.anyio
 
@@ -122,7 +122,7 @@ async def test_chunks_are_batched_not_one_statement_each(
 
     backend.store.flush = counting  # type: ignore[method-assign]
     try:
-        generation = Generation(GID, principal="")
+        generation = Generation(GID, principal=TESTER)
         backend.register(generation)
         started = time.monotonic()
         for i in range(1000):
@@ -205,7 +205,7 @@ async def test_a_flush_whose_outcome_is_unknown_loses_nothing_and_writes_nothing
     await writer.open()
     await reader.open()
     try:
-        generation = Generation(GID, principal="")
+        generation = Generation(GID, principal=TESTER)
         writer.register(generation)
         generation.append(b"one;")
         await settle(writer)
@@ -238,7 +238,7 @@ async def test_a_lost_owner_is_swept_as_interrupted_and_fenced(
     url = request.getfixturevalue(f"{kind}_url")
     crashed = durable(url, lease=0.3, sweep_interval=0.05)
     await crashed.open()
-    generation = Generation(GID, principal="", content_type="text/event-stream")
+    generation = Generation(GID, principal=TESTER, content_type="text/event-stream")
     crashed.register(generation)
     generation.append(b"data: kept\n\n")
     await settle(crashed)
@@ -261,7 +261,7 @@ async def test_a_lost_owner_is_swept_as_interrupted_and_fenced(
         assert after is not None
         assert after.status is Status.INTERRUPTED
         # Resumed through the middleware: the prefix, then an error frame.
-        mw = DisconnectMiddleware(sse_app(Probe()), backend=survivor)
+        mw = DisconnectMiddleware(sse_app(Probe()), backend=survivor, principal=as_tester)
         replay = await drive(mw, path=f"/generations/{GID}/stream")
         assert replay.body.startswith(b"data: kept\n\n")
         assert b'event: error\ndata: {"error":{"type":"interrupted"' in replay.body
@@ -279,7 +279,7 @@ async def test_finished_generations_expire_and_are_reaped(
     await backend.open()
     try:
         for n in range(3):
-            generation = Generation(f"gen_{n}" + "C" * 23, principal="")
+            generation = Generation(f"gen_{n}" + "C" * 23, principal=TESTER)
             backend.register(generation)
             generation.append(b"bytes")
             generation.finish(Status.COMPLETE)
@@ -376,7 +376,7 @@ async def test_existing_pool_is_used_and_left_open(postgres_url: str, postgres_d
         schema = postgres_url.rsplit("schema=", 1)[1]
         backend = connect("postgresql://", pool=pool, schema=schema, flush_interval=0.02)
         await backend.open()
-        generation = Generation(GID, principal="")
+        generation = Generation(GID, principal=TESTER)
         backend.register(generation)
         generation.append(b"pooled")
         generation.finish(Status.COMPLETE)
@@ -397,14 +397,14 @@ async def test_resume_past_the_durable_size_waits_for_the_flush(sqlite_url: str)
     await writer.open()
     await reader.open()
     try:
-        generation = Generation(GID, principal="")
+        generation = Generation(GID, principal=TESTER)
         writer.register(generation)
         generation.append(b"persisted;")
         await settle(writer)
         generation.append(b"not yet durable;")
         # A client that read both chunks from the owner asks another replica for the rest.
         offset = generation.size
-        mw = DisconnectMiddleware(sse_app(Probe()), backend=reader)
+        mw = DisconnectMiddleware(sse_app(Probe()), backend=reader, principal=as_tester)
 
         async def finish_later() -> None:
             await asyncio.sleep(0.1)
@@ -429,11 +429,11 @@ async def test_resume_far_past_the_durable_size_is_416_at_once(sqlite_url: str) 
     await writer.open()
     await reader.open()
     try:
-        generation = Generation(GID, principal="")
+        generation = Generation(GID, principal=TESTER)
         writer.register(generation)
         generation.append(b"persisted;")
         await settle(writer)
-        mw = DisconnectMiddleware(sse_app(Probe()), backend=reader)
+        mw = DisconnectMiddleware(sse_app(Probe()), backend=reader, principal=as_tester)
         # No owner is 1 GiB ahead of what it flushed 50 ms ago: no waiting for it.
         far = generation.size + (1 << 30)
         with anyio.fail_after(1):

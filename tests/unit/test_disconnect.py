@@ -22,13 +22,14 @@ from starlette.routing import Route, Router
 from asgi_disconnect import DisconnectMiddleware, MemoryBackend, Status, disconnect_policy
 from asgi_disconnect.testing import drive, lifespan
 from asgi_disconnect.upstream import track
-from tests.apps import Probe, sse_app
+from tests.apps import Probe, as_tester, sse_app
 
 pytestmark = pytest.mark.anyio
 
 
 def wrap(app: Starlette, **options: object) -> DisconnectMiddleware:
     options.setdefault("backend", MemoryBackend())
+    options.setdefault("principal", as_tester)
     return DisconnectMiddleware(app, **options)  # type: ignore[arg-type]
 
 

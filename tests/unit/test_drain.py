@@ -24,6 +24,7 @@ from asgi_disconnect import (
 )
 from asgi_disconnect.testing import drive
 from asgi_disconnect.testing._driver import lifespan
+from tests.apps import as_tester
 
 pytestmark = pytest.mark.anyio
 
@@ -74,6 +75,7 @@ def app_with(
         sinks=[records.append] if records is not None else [],
         drain={"signals": False, **drain},
         idempotency=idempotency,
+        principal=as_tester,
     )
     return app, _drain_of(app)
 
@@ -107,10 +109,14 @@ async def eventually(check: Callable[[], object], timeout: float = 5.0) -> None:
 
 async def test_while_draining_new_requests_get_503_and_work_in_flight_finishes() -> None:
     records: list[UsageRecord] = []
-    app, drain = app_with(records, deadline=10)
+    app, drain = app_with(records, deadline=10, drain_token="op")
+    operator = [("authorization", "Bearer op")]
     async with lifespan(app):
         ready = await drive(app, path="/readyz")
         assert ready.status == 200
+        # Readiness for anyone; what runs, for the operator only.
+        assert msgspec.json.decode(ready.body) == {"status": "ready"}
+        ready = await drive(app, path="/readyz", headers=operator)
         assert msgspec.json.decode(ready.body) == {"status": "ready", "in_flight": 0}
         stream = asyncio.create_task(drive(app, path="/chat", query_string=b"events=30"))
         await eventually(lambda: drain.in_flight == 1)
@@ -124,7 +130,9 @@ async def test_while_draining_new_requests_get_503_and_work_in_flight_finishes()
         not_ready = await drive(app, path="/readyz")
         assert not_ready.status == 503
         assert problem(not_ready)["type"] == DRAINING
-        assert "1 request(s) in flight" in problem(not_ready)["detail"]
+        assert problem(not_ready)["detail"] == "Draining."
+        told = await drive(app, path="/readyz", headers=operator)
+        assert "1 request(s) in flight" in problem(told)["detail"]
 
         result = await stream
         await drained
@@ -195,7 +203,11 @@ async def test_the_drain_endpoint_and_its_bad_input() -> None:
         assert wrong_method.header("allow") == "POST"
         for bad in ("0", "-1", "abc", "nan", "1e9"):
             bad_deadline = await drive(
-                app, method="POST", path="/drainz", query_string=f"deadline={bad}".encode()
+                app,
+                method="POST",
+                path="/drainz",
+                query_string=f"deadline={bad}".encode(),
+                headers=[("authorization", "Bearer s3cret")],
             )
             assert bad_deadline.status == 400, bad
             assert problem(bad_deadline)["type"].endswith(":invalid-drain-deadline")
@@ -216,25 +228,98 @@ async def test_the_drain_endpoint_and_its_bad_input() -> None:
         assert msgspec.json.decode(started.body) == {
             "status": "drained",
             "deadline": 2.0,
+            "remaining": 0.0,
             "in_flight": 0,
         }
         assert (await drive(app, path="/hello")).status == 503
 
 
-async def test_a_drain_from_another_host_needs_the_token() -> None:
-    app, drain = app_with()  # no token: loopback only
+async def test_a_second_drain_answers_the_deadline_that_applies() -> None:
+    app, drain = app_with(drain_token="op")
+    operator = [("authorization", "Bearer op")]
+    async with lifespan(app):
+        stream = asyncio.create_task(drive(app, path="/chat", query_string=b"events=400"))
+        await eventually(lambda: drain.in_flight == 1)
+        first = await drive(
+            app, method="POST", path="/drainz", query_string=b"deadline=2", headers=operator
+        )
+        assert first.status == 202
+        second = await drive(
+            app, method="POST", path="/drainz", query_string=b"deadline=60", headers=operator
+        )
+        answer = msgspec.json.decode(second.body)
+        assert answer["deadline"] == 2.0  # the first drain's, which cuts the streams
+        assert 0 < answer["remaining"] <= 2.0
+        result = await stream
+    assert frames(result.body)[-1]["type"] == "draining"
 
-    async def from_elsewhere(scope: Any, receive: Any, send: Any) -> None:
-        scope["client"] = ("10.0.0.7", 5000)
+
+def _from(app: Any, address: str) -> Any:
+    async def call(scope: Any, receive: Any, send: Any) -> None:
+        scope["client"] = (address, 5000)
         await app(scope, receive, send)
 
+    return call
+
+
+async def test_without_a_token_no_one_drains_not_even_loopback() -> None:
+    app, drain = app_with()
     async with lifespan(app):
-        refused = await drive(from_elsewhere, method="POST", path="/drainz")
+        refused = await drive(app, method="POST", path="/drainz")  # the driver's loopback
         assert refused.status == 403
+        assert problem(refused)["type"].endswith(":drain-forbidden")
+        assert "no drain_token set" in problem(refused)["detail"]
         assert not drain.draining
-        allowed = await drive(app, method="POST", path="/drainz")  # the driver's loopback
+        token_free = await drive(
+            app, method="POST", path="/drainz", headers=[("authorization", "Bearer ")]
+        )
+        assert token_free.status == 403
+        assert not drain.draining
+
+
+async def test_the_token_drains_from_anywhere_and_a_wrong_one_from_nowhere() -> None:
+    app, drain = app_with(drain_token="op")
+    async with lifespan(app):
+        wrong = await drive(
+            _from(app, "127.0.0.1"),
+            method="POST",
+            path="/drainz",
+            headers=[("authorization", "Bearer opx")],
+        )
+        assert wrong.status == 403
+        allowed = await drive(
+            _from(app, "10.0.0.7"),
+            method="POST",
+            path="/drainz",
+            headers=[("authorization", "Bearer op")],
+        )
         assert allowed.status == 202
         assert drain.draining
+
+
+async def test_trusting_loopback_is_an_opt_in_that_a_forwarded_address_never_meets(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app, drain = app_with(trust_loopback=True)
+    async with lifespan(app):
+        assert any("trusts loopback" in r.message for r in caplog.records)
+        elsewhere = await drive(_from(app, "10.0.0.7"), method="POST", path="/drainz")
+        assert elsewhere.status == 403
+        for header in ("x-forwarded-for", "forwarded", "x-real-ip"):
+            forwarded = await drive(
+                app, method="POST", path="/drainz", headers=[(header, "127.0.0.1")]
+            )
+            assert forwarded.status == 403, header
+        assert not drain.draining
+        allowed = await drive(app, method="POST", path="/drainz")
+        assert allowed.status == 202
+        assert drain.draining
+
+
+@pytest.mark.parametrize("token", ["", "t\u00e9"])
+def test_a_drain_token_that_cannot_be_sent_is_refused(token: str) -> None:
+    with pytest.raises(ValueError, match="drain_token"):
+        DrainMiddleware(Starlette(), drain_token=token)
 
 
 async def test_the_suggested_deadline_follows_recent_requests() -> None:

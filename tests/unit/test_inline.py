@@ -21,12 +21,13 @@ from asgi_disconnect import (
 )
 from asgi_disconnect.testing import drive, lifespan
 from asgi_disconnect.upstream import track
-from tests.apps import Probe, sse_app
+from tests.apps import TESTER, Probe, as_tester, sse_app
 
 pytestmark = pytest.mark.anyio
 
 
 def inline(app: Starlette, *routes: tuple[str, str], **options: object) -> DisconnectMiddleware:
+    options.setdefault("principal", as_tester)
     mw = DisconnectMiddleware(app, backend=MemoryBackend(), **options)  # type: ignore[arg-type]
     for route in routes:
         mw._cancel_only[route] = True

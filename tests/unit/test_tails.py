@@ -11,7 +11,7 @@ from asgi_disconnect import DisconnectMiddleware, connect
 from asgi_disconnect._backends import DurableBackend
 from asgi_disconnect._log import Generation, Status
 from asgi_disconnect.testing import drive
-from tests.apps import Probe, sse_app
+from tests.apps import TESTER, Probe, as_tester, sse_app
 
 pytestmark = pytest.mark.anyio
 
@@ -77,7 +77,7 @@ async def test_tails_of_one_generation_share_one_poller(
     replicas: tuple[DurableBackend, DurableBackend],
 ) -> None:
     writer, reader = replicas
-    generation = Generation("gen_" + "T" * 24, principal="")
+    generation = Generation("gen_" + "T" * 24, principal=TESTER)
     writer.register(generation)
     generation.append(b"data: 0\n\n")
     await settle(writer)
@@ -108,7 +108,7 @@ async def test_idle_tails_of_many_generations_cost_one_statement_per_interval(
     replicas: tuple[DurableBackend, DurableBackend],
 ) -> None:
     writer, reader = replicas
-    made = [Generation(f"gen_{n:024d}", principal="") for n in range(100)]
+    made = [Generation(f"gen_{n:024d}", principal=TESTER) for n in range(100)]
     for generation in made:
         writer.register(generation)
         generation.append(b"data: start\n\n")
@@ -136,7 +136,7 @@ async def test_a_reader_that_joins_late_or_lags_gets_every_byte(
     replicas: tuple[DurableBackend, DurableBackend],
 ) -> None:
     writer, reader = replicas
-    generation = Generation("gen_" + "L" * 24, principal="")
+    generation = Generation("gen_" + "L" * 24, principal=TESTER)
     writer.register(generation)
     async with asyncio.timeout(20):
         for n in range(50):
@@ -161,7 +161,7 @@ async def test_a_tail_ends_with_a_generation_that_expired(
     replicas: tuple[DurableBackend, DurableBackend],
 ) -> None:
     writer, reader = replicas
-    generation = Generation("gen_" + "E" * 24, principal="")
+    generation = Generation("gen_" + "E" * 24, principal=TESTER)
     writer.register(generation)
     generation.append(b"data: 0\n\n")
     await settle(writer)
@@ -207,7 +207,7 @@ async def test_readers_of_one_generation_query_the_store_once_per_change(
     store.info = counted_info  # type: ignore[method-assign]
     store.read = counted_read  # type: ignore[method-assign]
     try:
-        generation = Generation("gen_" + "Q" * 24, principal="")
+        generation = Generation("gen_" + "Q" * 24, principal=TESTER)
         writer.register(generation)
         generation.append(b"data: 0\n\n")
         await settle(writer)
@@ -237,11 +237,11 @@ async def test_a_client_that_leaves_stops_following_at_once(
     replicas: tuple[DurableBackend, DurableBackend],
 ) -> None:
     writer, reader = replicas
-    generation = Generation("gen_" + "G" * 24, principal="", content_type="text/event-stream")
+    generation = Generation("gen_" + "G" * 24, principal=TESTER, content_type="text/event-stream")
     writer.register(generation)
     generation.append(b"data: 0\n\n")
     await settle(writer)
-    mw = DisconnectMiddleware(sse_app(Probe()), backend=reader)
+    mw = DisconnectMiddleware(sse_app(Probe()), backend=reader, principal=as_tester)
     result = await drive(mw, path=f"/generations/{generation.id}/stream", disconnect_after_bytes=1)
     assert result.disconnected
     assert result.body == b"data: 0\n\n"
