@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ._backends import BackendUnavailable, DurableBackend, MemoryBackend, connect
 from ._claims import once
 from ._contract import (
+    CREDENTIAL_HEADERS,
     Backend,
     ClaimStore,
     Ending,
@@ -39,6 +40,7 @@ __all__ = [
     "AsgiDisconnectError",
     "Backend",
     "BackendUnavailable",
+    "CREDENTIAL_HEADERS",
     "Claim",
     "ClaimState",
     "ClaimStore",

@@ -370,6 +370,13 @@ class DisconnectMiddleware:
         while (self._running or len(self.supervisor)) and loop.time() < end:
             await asyncio.sleep(_DRAIN_POLL)
 
+    def resume_token(self, generation_id: str, principal: str = "") -> str:
+        """A signed token that reads ``generation_id`` of ``principal`` (``""``: an
+        anonymous one) for ``resume_token_ttl`` seconds, for the app to hand to its client:
+        the only way into an anonymous generation. ``POST {resume_prefix}/{id}/token`` makes
+        the same for a generation's owner."""
+        return self._resume.token(generation_id, principal)
+
     def _stop(self, generation_id: str) -> bool:
         """Stop a generation running here on its owner's request (``POST .../cancel``)."""
         exchange = self._running.get(generation_id)

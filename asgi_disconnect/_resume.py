@@ -178,7 +178,9 @@ class ResumeEndpoints:
         None), is False: every token that does not verify gets one answer."""
         values = [
             value
-            for name, value in parse_qsl(scope.get("query_string", b"").decode("latin-1"))
+            for name, value in parse_qsl(
+                scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True
+            )
             if name == "token"
         ]
         if not values:

@@ -13,7 +13,6 @@ from starlette.routing import Route
 
 from asgi_disconnect import disconnect_policy
 
-
 # Tests that are not about who a caller is run as one principal: an anonymous caller (no
 # credential header) can read nothing back.
 TESTER = "tester"

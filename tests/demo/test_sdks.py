@@ -18,8 +18,11 @@ FULL = "".join(f"tok{i} " for i in range(60))
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 
-async def settled_usage(base: str, generation_id: str) -> dict[str, object]:
-    async with httpx.AsyncClient(base_url=base) as client:
+async def settled_usage(
+    base: str, generation_id: str, credentials: dict[str, str]
+) -> dict[str, object]:
+    """The record, read back as the caller that made it (anyone else gets 404)."""
+    async with httpx.AsyncClient(base_url=base, headers=credentials) as client:
         for _ in range(100):
             response = await client.get(f"/demo/usage/{generation_id}")
             if response.status_code == 200:
@@ -57,7 +60,9 @@ async def test_the_openai_sdk_streams_through_the_demo(tmp_path: Path) -> None:
             assert whole.choices[0].message.content == FULL
             assert whole.usage is not None
             assert whole.usage.completion_tokens == 60
-        record = await settled_usage(demo.url, generation_id)
+        record = await settled_usage(
+            demo.url, generation_id, {"authorization": "Bearer sk-test"}
+        )
         assert record["usage_source"] == "provider"
         assert (record["input_tokens"], record["output_tokens"]) == (12, 60)
         assert record["outcome"] == "complete"

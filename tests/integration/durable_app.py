@@ -17,6 +17,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from asgi_disconnect import DisconnectMiddleware, connect, disconnect_policy
+from tests.apps import as_tester
 
 FLUSH_INTERVAL = float(os.environ.get("ASGI_DISCONNECT_FLUSH_INTERVAL", "0.05"))
 
@@ -36,6 +37,7 @@ async def produce(request: Request) -> StreamingResponse:
 
 app = DisconnectMiddleware(
     Starlette(routes=[Route("/produce", produce)]),
+    principal=as_tester,  # the tests read back as their caller
     backend=connect(
         os.environ["ASGI_DISCONNECT_URL"],
         flush_interval=FLUSH_INTERVAL,

@@ -21,6 +21,7 @@ from starlette.routing import Mount, Route
 
 from asgi_disconnect import MemoryBackend, disconnect_policy, install
 from asgi_disconnect.upstream import track_response
+from tests.apps import as_tester
 
 CHAT = {
     "model": "fake-model",
@@ -136,5 +137,6 @@ def make_gateway(
 
     if not bare:
         options.setdefault("backend", MemoryBackend())
+        options.setdefault("principal", as_tester)  # the tests read back as their caller
         install(app, **options)
     return app, produced

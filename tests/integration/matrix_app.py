@@ -18,6 +18,7 @@ import os
 from typing import TYPE_CHECKING, Any, Literal
 
 from asgi_disconnect import DisconnectMiddleware, MemoryBackend, MeteringMiddleware
+from tests.apps import as_tester
 from tests.integration.gateway import make_gateway
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ def make_app(
     backend's usage table, as with ``install()``.
     """
     backend = backend if backend is not None else MemoryBackend()
+    options.setdefault("principal", as_tester)  # the tests read back as their caller
     if placement == "inside":
         return make_gateway(upstream, backend=backend, sinks=sinks, **options)
     app, produced = make_gateway(upstream, bare=True)

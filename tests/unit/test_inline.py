@@ -21,7 +21,7 @@ from asgi_disconnect import (
 )
 from asgi_disconnect.testing import drive, lifespan
 from asgi_disconnect.upstream import track
-from tests.apps import TESTER, Probe, as_tester, sse_app
+from tests.apps import Probe, as_tester, sse_app
 
 pytestmark = pytest.mark.anyio
 
