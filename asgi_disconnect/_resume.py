@@ -170,9 +170,7 @@ class ResumeEndpoints:
         digest = hmac.new(self.secret, message, hashlib.sha256).digest()
         return urlsafe_b64encode(digest).rstrip(b"=").decode()
 
-    def _token_principal(
-        self, scope: Scope, generation_id: str, owner: str | None
-    ) -> bool | None:
+    def _token_principal(self, scope: Scope, generation_id: str, owner: str | None) -> bool | None:
         """None without a ``token`` parameter; else whether it reads this generation as
         ``owner``, unexpired. A malformed token, or one for an unknown generation (``owner``
         None), is False: every token that does not verify gets one answer."""
@@ -259,8 +257,7 @@ class ResumeEndpoints:
                 401,
                 "invalid-resume-token",
                 "Invalid Resume Token",
-                "The resume token is malformed or expired, or was not made for this "
-                "generation.",
+                "The resume token is malformed or expired, or was not made for this generation.",
             )
             return
         # An anonymous caller (no credential) owns nothing: only a token reads an anonymous

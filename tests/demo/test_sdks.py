@@ -60,9 +60,7 @@ async def test_the_openai_sdk_streams_through_the_demo(tmp_path: Path) -> None:
             assert whole.choices[0].message.content == FULL
             assert whole.usage is not None
             assert whole.usage.completion_tokens == 60
-        record = await settled_usage(
-            demo.url, generation_id, {"authorization": "Bearer sk-test"}
-        )
+        record = await settled_usage(demo.url, generation_id, {"authorization": "Bearer sk-test"})
         assert record["usage_source"] == "provider"
         assert (record["input_tokens"], record["output_tokens"]) == (12, 60)
         assert record["outcome"] == "complete"
