@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -155,6 +156,17 @@ class Reader:
         self.sock.close()
 
 
+def cli_app() -> FastAPI:
+    """The gateway for a server's own command line (``granian ... --factory``): where its
+    upstream and its database are, and its client timeout, from the environment."""
+    return gateway(
+        os.environ["SILENT_UPSTREAM"],
+        [],
+        Path(os.environ["SILENT_DB"]),
+        client_timeout=float(os.environ["SILENT_CLIENT_TIMEOUT"]),
+    )
+
+
 @dataclasses.dataclass
 class Setup:
     cable: netns.Link
@@ -166,6 +178,39 @@ class Setup:
         self, path: str, headers: dict[str, str], body: bytes = b"", method: str = "POST"
     ) -> Reader:
         return await Reader.open(self.cable, self.port, path, headers, body, method)
+
+
+@contextlib.contextmanager
+def served_from_the_command_line(
+    server: str, tmp: Path, *, client_timeout: float
+) -> Iterator[Setup]:
+    """The gateway under ``granian --interface asgi`` in a process of its own, as it runs in
+    production; its usage records land in its SQLite database (``tmp / "generations.db"``)."""
+    with netns.link() as cable:
+        with netns.inside(cable.server_ns):
+            provider = FakeProvider(tokens=400, tokens_per_second=20).start()
+        try:
+            env = {
+                "SILENT_UPSTREAM": provider.url,
+                "SILENT_DB": str(tmp / "generations.db"),
+                "SILENT_CLIENT_TIMEOUT": str(client_timeout),
+            }
+            with netns.inside(cable.server_ns):
+                context = run_server(
+                    "tests.integration.silent_app:cli_app",
+                    server=server,  # type: ignore[arg-type]
+                    host=cable.server_ip,
+                    factory=True,
+                    env=env,
+                    shutdown_timeout=20,
+                )
+                running = context.__enter__()
+            try:
+                yield Setup(cable, running.port, provider, [])
+            finally:
+                context.__exit__(None, None, None)
+        finally:
+            provider.stop()
 
 
 @contextlib.contextmanager

@@ -16,10 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from asgi_disconnect import estimate_tokens
+from asgi_disconnect import connect, estimate_tokens
 from asgi_disconnect.sse import SSEDecoder
 
-from .silent_app import H2Reader, body_json, eventually, served, whole_events
+from .silent_app import (
+    H2Reader,
+    body_json,
+    eventually,
+    served,
+    served_from_the_command_line,
+    whole_events,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -227,3 +234,34 @@ async def test_over_http2_a_vanished_client_is_cancelled_too(tmp_path: Path) -> 
     (record,) = records
     assert record.outcome == "cancelled"
     assert record.delivery == "sent"
+
+
+async def test_granian_from_its_command_line_notices_a_vanished_client(tmp_path: Path) -> None:
+    """``granian --interface asgi --factory ...`` in a process of its own, no flag for it:
+    the package finds the worker's listening socket itself."""
+    timeout = 4.0
+    with served_from_the_command_line("granian", tmp_path, client_timeout=timeout) as setup:
+        headers, body = body_json(tokens=400, rate=20)
+        reader = await setup.open("/v1/chat/completions", headers, body)
+        await reader.wait_bytes(1, 10)
+        await asyncio.sleep(1.5)
+        setup.cable.cut()
+        vanished = time.monotonic()
+        await asyncio.sleep(0.2)
+        reader.stop()
+        received = bytes(reader.body)
+        generation_id = reader.headers["x-generation-id"]
+        (call,) = setup.provider.requests
+        assert await call.await_closed(timeout + 5), "the upstream was not closed"
+        assert call.closed_at is not None
+        assert call.closed_at - vanished <= timeout + 5
+        reader.close()
+    backend = connect(f"sqlite:///{tmp_path / 'generations.db'}")
+    await backend.open()
+    try:
+        (record,) = await backend.usage_of(generation_id)
+    finally:
+        await backend.aclose()
+    assert record.outcome == "cancelled"
+    assert record.delivery == "acked"
+    assert abs(record.delivered_bytes - len(received)) <= len(received) / whole_events(received) + 1
