@@ -379,6 +379,14 @@ def _retrieve(future: asyncio.Future[bool]) -> None:
         future.exception()
 
 
+# Statuses that tell the client to retry later: never a key's stored result.
+_COME_BACK_LATER = frozenset({408, 425, 429, 503})
+
+
+def _retry_after(headers: Any) -> bool:
+    return any(bytes(name).lower() == b"retry-after" for name, _ in headers)
+
+
 class IdempotencyMiddleware:
     """Runs each (principal, key) once; retries get the stored response or a clear refusal.
 
@@ -388,7 +396,9 @@ class IdempotencyMiddleware:
       chunk by chunk, with ``Idempotent-Replayed: true``;
     - still running: 409 with ``Retry-After``; another body under the key: 422;
     - 2xx and 4xx are stored (5xx too with ``store_server_errors``, as Stripe does);
-      other 5xx, exceptions and cancellation release the claim so a retry runs again;
+      other 5xx, exceptions and cancellation release the claim so a retry runs again, and
+      so does a response that says to come back later (408, 425, 429, 503, or any error
+      with ``Retry-After``);
     - store unreachable: 503 with ``Retry-After`` (``fail_open=True`` runs the request);
       a settle it refuses is kept and retried until it lands (:class:`PendingSettles`,
       bounded by ``max_pending_settles`` and ``max_pending_bytes``).
@@ -668,7 +678,12 @@ class IdempotencyMiddleware:
         async def tee(message: Message) -> None:
             kind = message["type"]
             if kind == "http.response.start":
-                response["status"] = message["status"]
+                status = response["status"] = message["status"]
+                # "Come back later" (a rate limit, an overload, a timeout) is no result: a
+                # client that waits and retries must reach the work again.
+                response["later"] = status in _COME_BACK_LATER or (
+                    status >= 400 and _retry_after(message.get("headers", ()))
+                )
                 state = scope.get("asgi_disconnect")
                 if self.attach and isinstance(state, RequestState):
                     noting = asyncio.ensure_future(
@@ -784,6 +799,7 @@ class IdempotencyMiddleware:
             failure is None
             and status is not None
             and status < self.store_below
+            and not response.get("later", False)
             and chunks is not None
             and sum(map(len, chunks)) <= self.max_stored
         )

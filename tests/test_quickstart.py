@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -114,3 +115,58 @@ def test_the_docs_site_builds_strictly(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "site" / "reference" / "index.html").exists()
+
+
+@contextlib.contextmanager
+def quickstart(tmp_path: Path, provider: FakeProvider) -> Iterator[tuple[str, Path]]:
+    """examples/gateway.py under uvicorn against ``provider``: its URL and its log."""
+    (tmp_path / "gateway.py").write_text(gateway_block(ROOT / "examples/gateway.py"))
+    port = free_port()
+    env = {**os.environ, "UPSTREAM_URL": provider.url, "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "out.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "gateway:app", "--port", str(port)],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 20
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    httpx.get(url, timeout=0.5)
+                    break
+                assert proc.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            yield url, log
+        finally:
+            proc.terminate()
+            proc.wait(20)
+
+
+@pytest.mark.server
+def test_a_rate_limited_answer_releases_the_idempotency_key(tmp_path: Path) -> None:
+    """The provider's 429 with Retry-After, relayed as the quickstart does, is no result to
+    replay: the client that waits and retries with the same key reaches the provider."""
+    provider = FakeProvider(tokens=20, tokens_per_second=500, fault="status=429")
+    with provider, quickstart(tmp_path, provider) as (url, _):
+        headers = {
+            "authorization": "Bearer sk-anything",
+            "content-type": "application/json",
+            "idempotency-key": "order-7",
+        }
+        limited = httpx.post(f"{url}/v1/chat/completions", content=BODY, headers=headers)
+        assert limited.status_code == 429
+        assert limited.headers["retry-after"]
+        provider.fault = None  # the rate limit is over
+        retried = httpx.post(f"{url}/v1/chat/completions", content=BODY, headers=headers)
+        assert retried.status_code == 200
+        assert "idempotent-replayed" not in retried.headers
+        assert retried.text.endswith("data: [DONE]\n\n")
+        replayed = httpx.post(f"{url}/v1/chat/completions", content=BODY, headers=headers)
+        assert replayed.headers.get("idempotent-replayed") == "true"
+    assert len(provider.requests) == 2

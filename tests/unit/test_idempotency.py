@@ -60,6 +60,13 @@ def app(upstream: Upstream) -> Starlette:
         upstream.calls += 1
         raise RuntimeError("boom")
 
+    async def later(request: Request) -> Response:
+        """The provider's "come back later", relayed: 429, 408, or any error with Retry-After."""
+        upstream.calls += 1
+        status = int(request.query_params["status"])
+        headers = {"retry-after": "2"} if "retry" in request.query_params else None
+        return JSONResponse({"error": {"type": "rate_limit"}}, status_code=status, headers=headers)
+
     @idempotent(required=True)
     async def must(request: Request) -> Response:
         upstream.calls += 1
@@ -72,6 +79,7 @@ def app(upstream: Upstream) -> Starlette:
             Route("/broken", broken, methods=["POST"]),
             Route("/invalid", invalid, methods=["POST"]),
             Route("/raising", raising, methods=["POST"]),
+            Route("/later", later, methods=["POST"]),
             Route("/must", must, methods=["POST"]),
         ]
     )
@@ -92,7 +100,10 @@ async def post(
     sent = [AUTH] if headers is None else headers
     if key is not None:
         sent = [*sent, ("idempotency-key", key)]
-    return await drive(mw, method="POST", path=path, headers=sent, body=body)
+    path, _, query = path.partition("?")
+    return await drive(
+        mw, method="POST", path=path, query_string=query.encode(), headers=sent, body=body
+    )
 
 
 def problem_type(result: Any) -> str:
@@ -198,7 +209,17 @@ async def test_keys_are_scoped_to_the_principal() -> None:
 
 
 @pytest.mark.parametrize(
-    ("path", "replayed"), [("/broken", False), ("/raising", False), ("/invalid", True)]
+    ("path", "replayed"),
+    [
+        ("/broken", False),
+        ("/raising", False),
+        ("/invalid", True),
+        ("/later?status=429&retry", False),
+        ("/later?status=429", False),
+        ("/later?status=408", False),
+        ("/later?status=400&retry", False),
+        ("/later?status=409", True),
+    ],
 )
 async def test_5xx_and_exceptions_release_4xx_is_stored(path: str, replayed: bool) -> None:
     upstream = Upstream()
