@@ -438,7 +438,9 @@ class _Tee:
         if self.meter is not None:
             return self.meter.report()
         if self._json and self.produced <= _JSON_LIMIT:
-            report, self.recognized = _json_report(b"".join(self.chunks), self.provider)
+            report, self.recognized = _json_report(
+                b"".join(self.chunks), self.provider, self.status_code
+            )
             return report
         return analyze(b"", self.provider)
 
@@ -482,9 +484,10 @@ class _JsonBody(msgspec.Struct):
 _JSON_BODY = msgspec.json.Decoder(_JsonBody)
 
 
-def _json_report(body: bytes, provider: str | None) -> tuple[Any, bool]:
+def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple[Any, bool]:
     """Usage from a non-streamed JSON response of any of the supported APIs, and whether
-    the body is one (a known shape, or a ``usage`` member)."""
+    the body is one (a known shape, or a ``usage`` member, or, with an error ``status``,
+    a provider's error object: ``{"error": {"type" | "message" | "status": ...}}``)."""
     try:
         payload = _JSON_BODY.decode(body)
     except msgspec.DecodeError:  # not JSON, or not an object
@@ -513,14 +516,31 @@ def _json_report(body: bytes, provider: str | None) -> tuple[Any, bool]:
     else:
         fmt = provider
     unset = msgspec.UNSET
-    recognized = fmt is not provider or (
-        payload.usage is not unset or payload.usageMetadata is not unset or choices is not unset
+    # A provider's refusal relayed (the quickstart passes a 400, 401, 429 or 500 on): a
+    # record of its own, outcome error, with the provider's error type.
+    refusal = (
+        error is not None
+        and (status or 0) >= 400
+        and any(name in error for name in ("type", "message", "status", "code"))
     )
+    recognized = (
+        fmt is not provider
+        or refusal
+        or (
+            payload.usage is not unset or payload.usageMetadata is not unset or choices is not unset
+        )
+    )
+    error_type = None
+    if error is not None:
+        # OpenAI and Anthropic say "type"; Gemini (Google's APIs) "status", then "code".
+        error_type = _text(error.get("type")) or _text(error.get("status"))
+        if error_type is None and isinstance(error.get("code"), str | int):
+            error_type = str(error["code"])
     report = StreamReport(
         provider_format=fmt,
         terminal_marker_seen=error is None and output_tokens is not None,
         error=error,
-        error_type=_text(error.get("type")) if error else None,
+        error_type=error_type,
         input_tokens=input_tokens,
         output_tokens=output_tokens,
         usage_source="provider" if output_tokens is not None else "none",
