@@ -50,6 +50,8 @@ field                  written by
 ``usage``              MeteringMiddleware, through :meth:`RequestState.settle_usage`
 ``usage_hook``         the observer: called once with the record, or None
 ``request_model``      the upstream helpers, from the request they send (when marked)
+``request_body``       the upstream helpers: the body of the first request they send
+                       upstream, for metering's input estimate
 ``provider_name``      the upstream helpers, from the provider's host (when marked)
 ``idempotency``        IdempotencyMiddleware: ``fresh``, ``replayed``, ``attached``,
                        ``in_flight``, ``mismatch``, ``invalid``, ``unavailable`` or
@@ -192,6 +194,7 @@ class RequestState:
         "policy",
         "principal",
         "provider_name",
+        "request_body",
         "request_model",
         "response_status",
         "stream_ending",
@@ -225,6 +228,7 @@ class RequestState:
         self.usage_pending = False
         self.usage_hook: Callable[[UsageRecord | None], object] | None = None
         self.request_model: str | None = None
+        self.request_body: bytes | None = None
         self.provider_name: str | None = None
         self.idempotency: str | None = None
         self.response_status: int | None = None

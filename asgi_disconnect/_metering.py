@@ -288,6 +288,17 @@ class MeteringMiddleware:
         if output_tokens is None and text:
             output_tokens = estimate if estimate is not None else self.tokenizer(text)
             usage_source = "estimated"
+        if (
+            input_tokens is None
+            and state is not None
+            and state.request_body is not None
+            and (tee.status_code or 0) < 400  # a refusal bills no input
+        ):
+            # The provider's usage never came (a cancel): the prompt the app sent upstream.
+            prompt = prompt_text(state.request_body)
+            if prompt:
+                input_tokens = self.tokenizer(prompt)
+                usage_source = "estimated"
         delivered_tokens = output_tokens
         if output_tokens is not None and delivered < produced:
             # Scale the count by the share of the output text that reached the client.
@@ -549,6 +560,58 @@ def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple
         model=_text(payload.model),
     )
     return report, recognized
+
+
+class _Prompt(msgspec.Struct):
+    """The members of an LLM request that carry its prompt (OpenAI Chat and Responses,
+    Anthropic Messages, Gemini); any of any shape."""
+
+    messages: Any = None
+    system: Any = None
+    input: Any = None
+    instructions: Any = None
+    prompt: Any = None
+    contents: Any = None
+
+
+_PROMPT = msgspec.json.Decoder(_Prompt)
+
+
+def _texts(value: Any, out: list[str], depth: int = 0) -> None:
+    """The text of a prompt member: strings, and the ``content`` / ``text`` / ``parts`` of
+    messages and content parts, in order."""
+    if depth > 8:
+        return
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, list):
+        for item in value:
+            _texts(item, out, depth + 1)
+    elif isinstance(value, dict):
+        for name in ("content", "text", "parts"):
+            if name in value:
+                _texts(value[name], out, depth + 1)
+
+
+def prompt_text(body: bytes) -> str:
+    """The prompt of an LLM API request body, as text; ``""`` for anything else."""
+    if body[:1] != b"{":
+        return ""
+    try:
+        request = _PROMPT.decode(body)
+    except msgspec.DecodeError:
+        return ""
+    out: list[str] = []
+    for member in (
+        request.system,
+        request.instructions,
+        request.messages,
+        request.input,
+        request.prompt,
+        request.contents,
+    ):
+        _texts(member, out)
+    return "\n".join(out)
 
 
 def _request_fields(scope: Scope, tee: _Tee, state: RequestState | None) -> dict[str, Any]:

@@ -131,14 +131,22 @@ _REQUEST_BODY = msgspec.json.Decoder(_RequestBody)
 
 
 def _describe(request: Any) -> None:
-    """Tell an observer of the current request (telemetry) the model asked for and the
-    provider's name, from the upstream request; nothing when nobody observes."""
+    """Keep the upstream request's body for metering (an input estimate when the provider's
+    usage never comes), and tell an observer of the current request (telemetry) the model
+    asked for and the provider's name."""
     state = current_state.get()
-    if state is None or state.marks is None or request is None:
+    if state is None or request is None:
+        return
+    try:
+        body = request.content  # raises for a streamed body: then nothing is known
+    except Exception:
+        return
+    if state.request_body is None and isinstance(body, bytes):
+        state.request_body = body
+    if state.marks is None:
         return
     try:
         host = request.url.host
-        body = request.content  # raises for a streamed body: then the model stays unknown
     except Exception:
         return
     state.provider_name = state.provider_name or _PROVIDER_HOSTS.get(host)
