@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -35,6 +37,10 @@ logger = logging.getLogger("asgi_disconnect")
 
 _OFF_LOOP_TEXT = 64 * 1024
 _JSON_LIMIT = 4 << 20
+# A JSON body over _JSON_LIMIT is read by its ends: where an LLM API puts what metering
+# needs (``object``, ``model`` first; ``usage`` last).
+_JSON_HEAD = 64 << 10
+_JSON_TAIL = 256 << 10
 
 
 def estimate_tokens(text: str) -> int:
@@ -347,7 +353,9 @@ class _Tee:
     """The synchronous side of metering: a meter fed with every produced body byte."""
 
     __slots__ = (
+        "_head",
         "_json",
+        "_tail",
         "chunks",
         "ended",
         "failure",
@@ -389,6 +397,9 @@ class _Tee:
         self.failure: BaseException | None = None
         self.chunks: list[bytes] = []  # a JSON body, to read at the end
         self._json = False
+        # Over _JSON_LIMIT: its first and last bytes only.
+        self._head: bytes | None = None
+        self._tail = bytearray()
 
     def observe(self, message: Message) -> None:
         kind = message["type"]
@@ -405,8 +416,16 @@ class _Tee:
                     state = self.state
                     if state is not None and state.marks is not None:
                         state.note("first_event")
-            elif self._json and self.produced <= _JSON_LIMIT:
-                self.chunks.append(body)
+            elif self._json:
+                if self._head is None:
+                    self.chunks.append(body)
+                    if self.produced > _JSON_LIMIT:
+                        self._bound_json()
+                else:
+                    tail = self._tail
+                    tail += body
+                    if len(tail) > 2 * _JSON_TAIL:
+                        del tail[: len(tail) - _JSON_TAIL]
         elif kind == "http.response.start":
             self.status_code = message["status"]
             mark = self.mark = _route_mark(self.scope)
@@ -430,6 +449,13 @@ class _Tee:
             if mark is None and not self.is_event_stream and not self._json:
                 self._step_aside()  # neither an event stream nor JSON: not an LLM response
 
+    def _bound_json(self) -> None:
+        """The JSON body is too large to hold: keep its head and, from now on, its tail."""
+        body = b"".join(self.chunks)
+        self.chunks = []
+        self._head = body[:_JSON_HEAD]
+        self._tail = bytearray(body[-_JSON_TAIL:])
+
     def _step_aside(self) -> None:
         """No record for this response: stop observing it."""
         state = self.state
@@ -448,7 +474,12 @@ class _Tee:
     def report(self) -> Any:
         if self.meter is not None:
             return self.meter.report()
-        if self._json and self.produced <= _JSON_LIMIT:
+        if self._json:
+            if self._head is not None:
+                report, self.recognized = _json_ends_report(
+                    self._head, bytes(self._tail[-_JSON_TAIL:]), self.provider
+                )
+                return report
             report, self.recognized = _json_report(
                 b"".join(self.chunks), self.provider, self.status_code
             )
@@ -549,7 +580,8 @@ def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple
             error_type = str(error["code"])
     report = StreamReport(
         provider_format=fmt,
-        terminal_marker_seen=error is None and output_tokens is not None,
+        # A whole JSON document is a whole answer (an embeddings batch reports no output).
+        terminal_marker_seen=error is None,
         error=error,
         error_type=error_type,
         input_tokens=input_tokens,
@@ -612,6 +644,81 @@ def prompt_text(body: bytes) -> str:
     ):
         _texts(member, out)
     return "\n".join(out)
+
+
+_FIRST_STRING = {
+    name: re.compile(rb'"' + name.encode() + rb'"\s*:\s*"([^"\\]{0,200})"')
+    for name in ("object", "model", "type")
+}
+_USAGE_KEY = re.compile(rb'"(usage|usageMetadata)"\s*:\s*\{')
+
+
+def _json_object_at(data: bytes, start: int) -> bytes | None:
+    """The JSON object that opens at ``data[start]`` (a ``{``), by its brackets; None if it
+    does not close within ``data``."""
+    depth = 0
+    in_string = escaped = False
+    for index in range(start, len(data)):
+        byte = data[index]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 92:  # backslash
+                escaped = True
+            elif byte == 34:
+                in_string = False
+        elif byte == 34:
+            in_string = True
+        elif byte == 123:
+            depth += 1
+        elif byte == 125:
+            depth -= 1
+            if not depth:
+                return data[start : index + 1]
+    return None
+
+
+def _json_ends_report(head: bytes, tail: bytes, provider: str | None) -> tuple[Any, bool]:
+    """Usage from a JSON body too large to hold, by its ends: ``object`` / ``type`` /
+    ``model`` from its head, the last ``usage`` object from its tail; whole if the tail
+    closes the document."""
+    fields: dict[str, str] = {}
+    for name, pattern in _FIRST_STRING.items():
+        match = pattern.search(head)
+        if match:
+            fields[name] = match.group(1).decode("utf-8", "replace")
+    usage: dict[str, Any] = {}
+    matches = list(_USAGE_KEY.finditer(tail))
+    if matches:
+        found = _json_object_at(tail, matches[-1].end() - 1)
+        if found is not None:
+            with contextlib.suppress(msgspec.DecodeError):
+                usage = _dict(msgspec.json.decode(found))
+    input_tokens = _count(usage, "prompt_tokens", "input_tokens", "promptTokenCount")
+    output_tokens = _count(usage, "completion_tokens", "output_tokens", "candidatesTokenCount")
+    if fields.get("object") == "chat.completion":
+        fmt: str | None = "openai_chat"
+    elif fields.get("object") == "response":
+        fmt = "openai_responses"
+    elif fields.get("type") == "message":
+        fmt = "anthropic_messages"
+    else:
+        fmt = provider
+    whole = tail.rstrip().endswith(b"}")
+    reported = input_tokens is not None or output_tokens is not None
+    report = StreamReport(
+        provider_format=fmt,
+        terminal_marker_seen=whole,
+        error=None,
+        error_type=None,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        usage_source="provider" if reported else "none",
+        finish_reason=None,
+        event_count=0,
+        model=fields.get("model"),
+    )
+    return report, fmt is not provider or reported
 
 
 def _request_fields(scope: Scope, tee: _Tee, state: RequestState | None) -> dict[str, Any]:

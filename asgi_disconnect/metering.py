@@ -53,6 +53,9 @@ class StreamReport(msgspec.Struct, frozen=True, kw_only=True):
       not included).
     - ``first_event_offset``: the stream offset just past the blank line that completed the
       first event.
+    - ``skipped_events``: events over the meter's window (about 1 MiB: an image as base64,
+      say), skipped unread so that metering holds no more than that; the events after them
+      are read as usual, the provider's usage and the terminal marker included.
     """
 
     provider_format: str | None
@@ -71,26 +74,57 @@ class StreamReport(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None
     text: str = ""
     first_event_offset: int | None = None
+    skipped_events: int = 0
+
+
+# An event that grows past this many bytes is skipped, not decoded: below the decoder's
+# 1 MiB line limit, so no event can break it.
+WINDOW = 960 << 10
+_BLANK_LINES = (b"\n\n", b"\r\n\r\n", b"\r\r")
+
+
+def _after_blank_line(data: bytes) -> int:
+    """The offset just past the last blank line (an event's end) in ``data``, or -1."""
+    end = data.rfind(b"\n\n")
+    end = end + 2 if end >= 0 else -1
+    if 13 in data:
+        for marker in _BLANK_LINES[1:]:
+            found = data.rfind(marker)
+            if found >= 0:
+                end = max(end, found + len(marker))
+    return end
+
+
+def _first_blank_line(data: bytes) -> int:
+    """The offset just past the first blank line in ``data``, or -1."""
+    ends = [found + len(marker) for marker in _BLANK_LINES if (found := data.find(marker)) >= 0]
+    return min(ends) if ends else -1
 
 
 class StreamMeter:
     """Read a stream chunk by chunk; :meth:`feed` never awaits and never raises.
 
     ``provider`` fixes the wire format (one of the ``provider_format`` names); None detects it.
-    A stream that breaks the decoder's limits (``max_event_bytes``, and 1 MiB per line) is
-    recorded as an ``"sse_decode_error"`` and its later bytes are ignored.
+    It holds at most about :data:`WINDOW` bytes of the stream: an event larger than that is
+    skipped unread (``skipped_events``), and the stream is read on from the next event.
     """
 
     __slots__ = (
         "_adapter",
+        "_base",
         "_block",
+        "_carry",
         "_decoder",
         "_detections_left",
         "_first_offset",
+        "_max_event",
+        "_open",
+        "_skipping",
         "_state",
         "_stopped",
         "event_count",
         "marks",
+        "skipped_events",
         "text_chars",
     )
 
@@ -99,7 +133,13 @@ class StreamMeter:
     ) -> None:
         if provider is not None and provider not in ADAPTERS:
             raise ValueError(f"provider must be one of {', '.join(FORMATS)} or None: {provider!r}")
+        self._max_event = max_event_bytes
         self._decoder = SSEDecoder(max_event_bytes=max_event_bytes)
+        self._base = 0  # bytes fed to decoders before this one, and skipped
+        self._open = 0  # bytes since the last blank line: the event under way
+        self._skipping = False
+        self._carry = b""  # while skipping: the last bytes, a blank line may straddle
+        self.skipped_events = 0
         self._state = StreamState(provider)
         self._adapter = ADAPTERS[provider] if provider is not None else None
         self._detections_left = _DETECTION_EVENTS
@@ -125,10 +165,20 @@ class StreamMeter:
         try:
             if type(chunk) is not bytes:
                 chunk = bytes(chunk)
-            if self._first_offset is None:
-                events = self._feed_first(chunk)
+            if self._skipping:
+                chunk = self._skip(chunk)
+                if not chunk:
+                    return
+            end = _after_blank_line(chunk)
+            self._open = len(chunk) - end if end >= 0 else self._open + len(chunk)
+            if self._open > min(WINDOW, self._max_event):
+                # The event under way is too large to hold: read what ended before it,
+                # then skip it.
+                head = chunk[:end] if end >= 0 else b""
+                events = self._decode(head) if head else []
+                self._start_skipping(chunk[len(head) :])
             else:
-                events = self._decoder.feed(chunk)
+                events = self._decode(chunk)
             if events:
                 self.event_count += len(events)
                 self._read(events)
@@ -141,6 +191,41 @@ class StreamMeter:
             logger.exception("metering failed; the rest of this stream is not metered")
             self._stop({"type": "meter_error", "message": "the stream could not be metered"})
 
+    def _decode(self, chunk: bytes) -> list[ServerSentEvent]:
+        if self._first_offset is None:
+            return self._feed_first(chunk)
+        return self._decoder.feed(chunk)
+
+    def _start_skipping(self, rest: bytes) -> None:
+        """Drop the event under way (the decoder's part of it, and ``rest``) until its end."""
+        self.skipped_events += 1
+        self._base += self._decoder.bytes_fed + len(rest)
+        self._decoder = SSEDecoder(max_event_bytes=self._max_event)
+        self._skipping = True
+        self._carry = rest[-3:]
+        self._open = 0
+
+    def _skip(self, chunk: bytes) -> bytes:
+        """While skipping: the part of ``chunk`` after the skipped event's end (b"" if it
+        goes on)."""
+        carry = self._carry
+        data = carry + chunk
+        end = _first_blank_line(data)
+        if end < 0:
+            self._base += len(chunk)
+            self._carry = data[-3:]
+            return b""
+        self._skipping = False
+        self._carry = b""
+        consumed = end - len(carry)
+        self._base += consumed
+        return chunk[consumed:]
+
+    @property
+    def bytes_fed(self) -> int:
+        """Bytes of the stream read so far, skipped ones included."""
+        return self._base + self._decoder.bytes_fed
+
     def _count_text(self) -> None:
         """Mark the text's new length; join every 64 pieces into one block, so a long
         stream of small deltas keeps its text, not an object per delta."""
@@ -148,7 +233,7 @@ class StreamMeter:
         self.text_chars = state.text_chars
         marks = self.marks
         if marks is not None:
-            marks.append(self._decoder.bytes_fed)
+            marks.append(self.bytes_fed)
             marks.append(state.text_chars)
         text = state.text
         block = self._block
@@ -214,12 +299,13 @@ class StreamMeter:
             model=state.model,
             text=text,
             first_event_offset=self._first_offset,
+            skipped_events=self.skipped_events,
         )
 
     def _feed_first(self, chunk: bytes) -> list[ServerSentEvent]:
         """Feed up to each blank line separately until the first event, to know its offset."""
         decoder = self._decoder
-        base = decoder.bytes_fed
+        base = self.bytes_fed
         start = previous = 0
         for match in _LINE_END.finditer(chunk):
             line_start, line_end = match.span()

@@ -209,11 +209,23 @@ def test_a_decode_error_is_recorded_and_later_bytes_ignored() -> None:
     assert (report.event_count, report.terminal_marker_seen, report.text) == (1, False, "Hi")
 
 
-def test_an_overlong_line_is_a_decode_error() -> None:
+def test_an_overlong_event_is_skipped_and_the_stream_read_on() -> None:
+    """An event larger than the meter's window (an image as base64) is skipped unread, never
+    an error; the events after it, usage and [DONE] included, are read."""
     meter = StreamMeter()
+    meter.feed(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n')
+    meter.feed(b'data: {"choices":[{"index":0,"delta":{"content":"')
     for _ in range(17):
         meter.feed(b"x" * 65536)
-    assert meter.report().error_type == "sse_decode_error"
+    meter.feed(b'"}}]}\n\n')
+    meter.feed(b'data: {"choices":[],"usage":{"prompt_tokens":50,"completion_tokens":1500}}\n\n')
+    meter.feed(b"data: [DONE]\n\n")
+    report = meter.report()
+    assert report.error is None
+    assert report.skipped_events == 1
+    assert report.terminal_marker_seen
+    assert (report.input_tokens, report.output_tokens) == (50, 1500)
+    assert report.text == "a"
 
 
 def test_a_failing_adapter_stops_metering_without_raising(
