@@ -52,6 +52,8 @@ field                  written by
 ``request_model``      the upstream helpers, from the request they send (when marked)
 ``request_body``       the upstream helpers: the body of the first request they send
                        upstream, for metering's input estimate
+``upstream_usage``     ``open_stream(..., ask_for_usage=True)``: the provider's usage
+                       (a ``StreamReport``) that the client did not see
 ``provider_name``      the upstream helpers, from the provider's host (when marked)
 ``idempotency``        IdempotencyMiddleware: ``fresh``, ``replayed``, ``attached``,
                        ``in_flight``, ``mismatch``, ``invalid``, ``unavailable`` or
@@ -198,6 +200,7 @@ class RequestState:
         "request_model",
         "response_status",
         "stream_ending",
+        "upstream_usage",
         "upstreams",
         "usage",
         "usage_hook",
@@ -229,6 +232,7 @@ class RequestState:
         self.usage_hook: Callable[[UsageRecord | None], object] | None = None
         self.request_model: str | None = None
         self.request_body: bytes | None = None
+        self.upstream_usage: Any = None
         self.provider_name: str | None = None
         self.idempotency: str | None = None
         self.response_status: int | None = None

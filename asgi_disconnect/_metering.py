@@ -288,6 +288,17 @@ class MeteringMiddleware:
         error_type = report.error_type
         if error_type is None and failure is not None and not cancelled:
             error_type = getattr(failure, "error_type", None) or type(failure).__name__
+        upstream = state.upstream_usage if state is not None else None
+        if upstream is not None and report.usage_source != "provider":
+            # Asked of the provider for the record, kept from the client (open_stream).
+            report = msgspec.structs.replace(
+                report,
+                input_tokens=upstream.input_tokens,
+                output_tokens=upstream.output_tokens,
+                cache_read_tokens=upstream.cache_read_tokens,
+                reasoning_tokens=upstream.reasoning_tokens,
+                usage_source="provider",
+            )
         input_tokens, output_tokens = report.input_tokens, report.output_tokens
         usage_source = report.usage_source
         text = report.text

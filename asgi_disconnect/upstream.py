@@ -162,6 +162,54 @@ def _describe(request: Any) -> None:
 _ERROR_BODY = 64 << 10
 
 
+class _ChatRequest(msgspec.Struct):
+    stream: Any = None
+    messages: Any = None
+    stream_options: Any = None
+
+
+_CHAT_REQUEST = msgspec.json.Decoder(_ChatRequest)
+_ENCODE = msgspec.json.Encoder().encode
+
+
+def _asking_for_usage(client: Any, request: Any) -> Any | None:
+    """``request`` rewritten to ask the provider for usage (OpenAI Chat Completions,
+    ``stream_options.include_usage``), or None when it asks already or is not such a call."""
+    try:
+        body = request.content
+    except Exception:
+        return None  # a streamed body: left as it is
+    if not isinstance(body, bytes) or body[:1] != b"{":
+        return None
+    try:
+        call = _CHAT_REQUEST.decode(body)
+    except msgspec.DecodeError:
+        return None
+    options = call.stream_options
+    if call.stream is not True or not isinstance(call.messages, list):
+        return None
+    if options is not None and not isinstance(options, dict):
+        return None
+    if options and options.get("include_usage") is True:
+        return None
+    payload = msgspec.json.decode(body)
+    payload["stream_options"] = {**(options or {}), "include_usage": True}
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() != "content-length"]
+    return client.build_request(
+        request.method, request.url, headers=headers, content=_ENCODE(payload)
+    )
+
+
+def _without_usage(event: bytes) -> bytes | None:
+    """One event of a stream that asked for usage, as it would have been without: None for
+    the usage chunk (``"choices":[]`` and a ``usage``), else without ``"usage":null``."""
+    if b'"usage"' not in event:
+        return event
+    if b'"choices":[]' in event and b'"usage":{' in event:
+        return None
+    return event.replace(b',"usage":null', b"", 1)
+
+
 async def open_stream(
     client: Any,
     request: Any,
@@ -169,9 +217,16 @@ async def open_stream(
     first_token_timeout: float | None = 30.0,
     idle_timeout: float | None = 60.0,
     provider: str | None = None,
+    ask_for_usage: bool = False,
 ) -> UpstreamStream:
     """Send ``request`` with ``client`` (an ``httpx.AsyncClient``, or httpx2's) and return
     its event stream, an async iterator of the body's bytes, unchanged.
+
+    ``ask_for_usage``: an OpenAI Chat Completions stream whose caller did not ask for usage
+    (``stream_options.include_usage``) is sent asking for it, so its usage record carries
+    the provider's counts; the caller gets exactly the bytes it would have got without (the
+    usage chunk and the ``"usage":null`` of the other chunks are taken out). A caller that
+    asked gets the usage as it asked.
 
     A non-2xx status raises :class:`UpstreamStatusError` here, before the caller starts
     its own response. ``first_token_timeout`` runs from now to the first event (not to the
@@ -182,6 +237,11 @@ async def open_stream(
     """
     loop = asyncio.get_running_loop()
     first_deadline = None if first_token_timeout is None else loop.time() + first_token_timeout
+    hide_usage = False
+    if ask_for_usage:
+        rewritten = _asking_for_usage(client, request)
+        if rewritten is not None:
+            request, hide_usage = rewritten, True
     try:
         async with asyncio.timeout_at(first_deadline):
             response = await client.send(request, stream=True)
@@ -202,7 +262,7 @@ async def open_stream(
         raise UpstreamStatusError(
             response.status_code, _decoded(body), response.headers.get("retry-after")
         )
-    return UpstreamStream(response, first_deadline, idle_timeout, provider)
+    return UpstreamStream(response, first_deadline, idle_timeout, provider, hide_usage=hide_usage)
 
 
 class UpstreamStream:
@@ -214,11 +274,15 @@ class UpstreamStream:
         first_deadline: float | None,
         idle_timeout: float | None,
         provider: str | None,
+        *,
+        hide_usage: bool = False,
     ) -> None:
         self.response = response
         self.meter = StreamMeter(provider)
         self._first_deadline = first_deadline
         self._idle_timeout = idle_timeout
+        self._hide_usage = hide_usage
+        self._pending = b""  # hiding usage: the event under way
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._iterate()
@@ -259,7 +323,16 @@ class UpstreamStream:
                 meter.feed(chunk)
                 if meter.event_count != before:
                     last_event = loop.time()
+                if self._hide_usage:
+                    chunk = self._hidden(chunk)
+                    if not chunk:
+                        continue
                 yield chunk
+            if self._pending:
+                yield self._pending
+                self._pending = b""
+            if self._hide_usage:
+                self._hand_over_usage()
             ending = meter.ending()
             if ending == "error":
                 report = meter.report()
@@ -268,6 +341,29 @@ class UpstreamStream:
                 raise TruncatedStream("the upstream body ended without its terminal marker")
         finally:
             await shielded(self.response.aclose())
+
+    def _hidden(self, chunk: bytes) -> bytes:
+        """``chunk`` as the caller would have had it without asking for usage: whole events
+        only, each through :func:`_without_usage`."""
+        data = self._pending + chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._pending = data
+            return b""
+        self._pending = data[end + 2 :]
+        kept = [
+            shown
+            for event in data[: end + 2].split(b"\n\n")[:-1]
+            if (shown := _without_usage(event + b"\n\n")) is not None
+        ]
+        return b"".join(kept)
+
+    def _hand_over_usage(self) -> None:
+        """The usage the caller did not see goes to its request's record."""
+        state = current_state.get()
+        report = self.meter.report()
+        if state is not None and report.usage_source == "provider":
+            state.upstream_usage = report
 
 
 async def _read_some(response: Any, limit: int) -> bytes:
