@@ -52,6 +52,42 @@ def estimate_tokens(text: str) -> int:
     return 0 if not text else max(1, round(len(text) / 4))
 
 
+# A model's characters per token are learned from this many of its output tokens, as the
+# provider counted them, before estimates use them; the sums are halved past _CALIBRATED_CAP.
+_CALIBRATED_AFTER = 200
+_CALIBRATED_CAP = 1 << 20
+
+
+class Calibration:
+    """Characters per output token, per model, from the provider-reported usage of earlier
+    complete generations: what the default estimate divides by once it knows a model."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[str, list[float]] = {}  # model -> [characters, tokens, answers]
+
+    def learn(self, model: str | None, characters: int, tokens: int | None) -> None:
+        if model is None or not tokens or tokens <= 0 or characters <= 0:
+            return
+        seen = self._seen.setdefault(model, [0.0, 0.0, 0.0])
+        seen[0] += characters
+        seen[1] += tokens
+        seen[2] += 1
+        if seen[1] > _CALIBRATED_CAP:
+            seen[0] /= 2
+            seen[1] /= 2
+        if len(self._seen) > 1024:
+            self._seen.pop(next(iter(self._seen)))
+
+    def ratio(self, model: str | None) -> tuple[float, int] | None:
+        """(characters per token, answers learned from) for ``model``, once known."""
+        seen = self._seen.get(model) if model is not None else None
+        if seen is None or seen[1] < _CALIBRATED_AFTER:
+            return None
+        return seen[0] / seen[1], int(seen[2])
+
+
 METERED_ATTRIBUTE = "__asgi_disconnect_metered__"
 
 _E = TypeVar("_E", bound=Callable[..., Any])
@@ -111,6 +147,7 @@ class MeteringMiddleware:
         self.provider = provider
         self.reservations = reservations
         self.tokenizer = tokenizer
+        self.calibration = Calibration()
         self.records = 0
         # Emissions that wait on something (a reservation, an async sink, a long text),
         # in order, for one task.
@@ -259,9 +296,26 @@ class MeteringMiddleware:
         self, scope: Scope, tee: _Tee, state: RequestState | None, report: Any
     ) -> UsageRecord:
         estimate = None
-        if report.output_tokens is None and len(report.text) > _OFF_LOOP_TEXT:
+        if (
+            report.output_tokens is None
+            and len(report.text) > _OFF_LOOP_TEXT
+            and self.tokenizer is not estimate_tokens
+        ):
             estimate = await asyncio.to_thread(self.tokenizer, report.text)
         return self._build(scope, tee, state, report, estimate)
+
+    def _estimate(self, text: str, model: str | None) -> tuple[int, str]:
+        """Tokens in ``text`` and how they were counted."""
+        if self.tokenizer is not estimate_tokens:
+            return self.tokenizer(text), "estimated with the tokenizer given"
+        calibrated = self.calibration.ratio(model)
+        if calibrated is None:
+            return estimate_tokens(text), "estimated at 4 characters per token"
+        ratio, answers = calibrated
+        return max(1, round(len(text) / ratio)), (
+            f"estimated at {ratio:.2f} characters per token, calibrated on {answers} "
+            f"answer(s) of {model}"
+        )
 
     def _build(
         self,
@@ -302,9 +356,18 @@ class MeteringMiddleware:
         input_tokens, output_tokens = report.input_tokens, report.output_tokens
         usage_source = report.usage_source
         text = report.text
+        notes: list[str] = []
+        if usage_source == "provider" and output_tokens and text and report.terminal_marker_seen:
+            self.calibration.learn(
+                report.model, len(text), output_tokens - (report.reasoning_tokens or 0)
+            )
         if output_tokens is None and text:
-            output_tokens = estimate if estimate is not None else self.tokenizer(text)
+            if estimate is not None:
+                output_tokens, how = estimate, "estimated with the tokenizer given"
+            else:
+                output_tokens, how = self._estimate(text, report.model)
             usage_source = "estimated"
+            notes.append(how)
         if (
             input_tokens is None
             and state is not None
@@ -314,8 +377,15 @@ class MeteringMiddleware:
             # The provider's usage never came (a cancel): the prompt the app sent upstream.
             prompt = prompt_text(state.request_body)
             if prompt:
-                input_tokens = self.tokenizer(prompt)
+                input_tokens, how = self._estimate(prompt, report.model)
                 usage_source = "estimated"
+                if how not in notes:
+                    notes.append(how)
+        skipped = getattr(report, "skipped_events", 0)
+        if skipped:
+            notes.append(f"{skipped} event(s) over the meter's window were not read")
+        if tee.bounded and usage_source == "none":
+            notes.append("a JSON body over 4 MiB, read by its ends: no usage there")
         delivered_tokens = output_tokens
         if output_tokens is not None and delivered < produced:
             # Scale the count by the share of the output text that reached the client.
@@ -339,6 +409,7 @@ class MeteringMiddleware:
             delivered_output_tokens=delivered_tokens,
             finish_reason=report.finish_reason,
             error_type=error_type,
+            usage_note="; ".join(notes) or None,
         )
 
     def _unknown(self, scope: Scope, tee: _Tee, state: RequestState | None) -> UsageRecord:
@@ -460,6 +531,11 @@ class _Tee:
             if mark is None and not self.is_event_stream and not self._json:
                 self._step_aside()  # neither an event stream nor JSON: not an LLM response
 
+    @property
+    def bounded(self) -> bool:
+        """A JSON body too large to hold, read by its ends."""
+        return self._head is not None
+
     def _bound_json(self) -> None:
         """The JSON body is too large to hold: keep its head and, from now on, its tail."""
         body = b"".join(self.chunks)
@@ -498,7 +574,8 @@ class _Tee:
         return analyze(b"", self.provider)
 
     def text_bound(self) -> int:
-        """At most how many characters of text the report will hold."""
+        """At most how many characters of text the report will hold (counted off the loop
+        above _OFF_LOOP_TEXT, unless the count is the default's, a division)."""
         meter = self.meter
         return meter.text_chars if meter is not None else self.produced
 

@@ -83,6 +83,10 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     ``delivered_*`` is what reached the client: with ``delivery="acked"`` what its TCP
     acknowledged (a streamed response on Linux), with ``"sent"`` what was handed to the
     server.
+    ``usage_note`` says how counts that are not the provider's were made (``"estimated at
+    3.71 characters per token, calibrated on 12 answer(s) of gpt-4o"``), and what metering
+    could not read (an event over its window, a JSON body over 4 MiB without usage at its
+    end); None when the provider's counts are the record's.
     """
 
     generation_id: str | None
@@ -109,4 +113,5 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     policy: str | None = None
     detached: bool = False
     delivery: str = "sent"
+    usage_note: str | None = None
     started_at: float

@@ -15,15 +15,24 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from array import array
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ._adapters import ADAPTERS, FORMATS, Adapter, StreamState, detect, error_frame
 from .sse import ServerSentEvent, SSEDecodeError, SSEDecoder
 
-__all__ = ["StreamMeter", "StreamReport", "analyze"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = [
+    "StreamMeter",
+    "StreamReport",
+    "analyze",
+    "openai_tokenizer",
+]
 
 logger = logging.getLogger("asgi_disconnect")
 
@@ -349,6 +358,28 @@ class StreamMeter:
     def _stop(self, error: dict[str, Any]) -> None:
         self._stopped = True
         self._state.set_error(error, "")
+
+
+def openai_tokenizer(model: str = "gpt-4o") -> Callable[[str], int]:
+    """An exact count for OpenAI models (``o200k_base``, ``cl100k_base``), offline: the
+    encodings ship inside ``bpe-openai`` (``pip install 'asgi-disconnect[tokens]'``), so
+    nothing is downloaded at run time. Pass it as ``tokenizer=``."""
+    with warnings.catch_warnings():
+        # bpe-openai 0.1 reads its encodings with a deprecated importlib.resources call.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            import bpe_openai
+        except ImportError:
+            raise ImportError(
+                "openai_tokenizer needs bpe-openai: pip install 'asgi-disconnect[tokens]'"
+            ) from None
+        encoding = bpe_openai.encoding_for_model(model)
+
+    def count(text: str) -> int:
+        return len(encoding.encode(text)) if text else 0
+
+    return count
+
 
 
 def analyze(body: bytes, provider: str | None = None) -> StreamReport:
