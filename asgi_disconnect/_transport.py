@@ -449,6 +449,9 @@ class TransportMonitor:
         once its client acknowledged the rest, died or closed (True, then ``on_settled``)."""
         if watch not in self.watches:
             return False
+        if watch.delivery == "sent":
+            self._drop(watch)  # HTTP/2: its delivered figure is what was sent; nothing to wait for
+            return False
         if not watch.final:
             self._sample(watch)
         if watch.settled:
