@@ -109,6 +109,9 @@ __all__ = [
 logger = logging.getLogger("asgi_disconnect")
 
 SCOPE_KEY = "asgi_disconnect"
+# What @metered() sets on an endpoint (MeteringMiddleware's), read by DisconnectMiddleware too:
+# a metered route's response is a generation.
+METERED_ATTRIBUTE = "__asgi_disconnect_metered__"
 
 Principal = Callable[["Scope"], "str | None"]
 UsageSink = Callable[["UsageRecord"], Awaitable[None] | None]

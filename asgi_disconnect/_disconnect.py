@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ._aio import DONE, Resume, as_coroutine, join, shielded, step_as, wait_bounded
 from ._backends import MemoryBackend
 from ._contract import (
+    METERED_ATTRIBUTE,
     SCOPE_KEY,
     Ending,
     RequestState,
@@ -48,6 +49,7 @@ from ._supervisor import Supervisor
 from ._transport import SUPPORTED as _TRANSPORT_SUPPORTED
 from ._transport import TransportMonitor, tune_listeners
 from ._writer import MESSAGE_BYTES, ClientWriter, Delivery
+from .metering import is_llm_json
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -431,6 +433,18 @@ _TWICE = (
 )
 
 
+_ENDS_BODY = frozenset({"http.response.pathsend", "http.response.trailers"})
+# A JSON response streamed in pieces is judged by its first this many bytes.
+_JUDGE_BYTES = 4096
+
+
+def _ends(kind: str, message: Message) -> bool:
+    """Whether ``message`` (not start, not body) ends a response."""
+    if kind == "http.response.pathsend":
+        return True
+    return kind == "http.response.trailers" and not message.get("more_trailers", False)
+
+
 def _check_asyncio() -> None:
     try:
         asyncio.get_running_loop()
@@ -458,6 +472,8 @@ class _Exchange:
         "expect_trailers",
         "generation",
         "head",
+        "held",
+        "held_body",
         "inbox",
         "inbox_waiter",
         "interrupt_reason",
@@ -465,6 +481,7 @@ class _Exchange:
         "keep_alive_seen",
         "mw",
         "observe",
+        "passthrough",
         "receive",
         "request_task",
         "scope",
@@ -503,6 +520,12 @@ class _Exchange:
         self.app_error: BaseException | None = None
         self.generation: Generation | None = None
         self.head: Any = ()  # the response's headers, as the app sent them
+        # Not a generation (not an LLM exchange): its messages go straight to the server.
+        self.passthrough = False
+        # A JSON response's start, and its first body messages, held until they say whether
+        # it is an LLM API's.
+        self.held: Message | None = None
+        self.held_body: list[Message] = []
         # Where the response stands while no writer exists (a response sent in one piece).
         self.delivery = _OPEN
         self.client_gone = False
@@ -1122,6 +1145,12 @@ class _Exchange:
                 return
             generation = self.generation
             if generation is None:
+                if self.held is not None:
+                    await self._hold(message, body, more_body)
+                    return
+                if self.passthrough:
+                    await self._pass_body(message, size, more_body)
+                    return
                 raise RuntimeError(
                     "ASGI message 'http.response.body' sent before 'http.response.start'"
                 )
@@ -1178,29 +1207,125 @@ class _Exchange:
                 observe(message)
                 # It may step aside now: a response it does not meter.
                 self.observe = self.state.observe
-            message = self._start(message)
-            if self.client_gone:
+            if self.generation is not None or self.held is not None or self.passthrough:
+                raise RuntimeError("ASGI message 'http.response.start' sent twice")
+            if message.get("trailers"):
+                self.expect_trailers = True
+            kind_of = self._kind_of(message)
+            if kind_of == "json":
+                self.held = message  # its body decides
                 return
-            try:
-                await self.send(message)
-            except OSError:
-                self._client_went_away()
+            if kind_of == "other":
+                self.passthrough = True
+                await self._pass(message)
                 return
-            interval = self.mw.keep_alive
-            if interval is not None and is_event_stream(self.generation.content_type):  # type: ignore[union-attr]
-                self.keep_alive_handle = asyncio.get_running_loop().call_later(
-                    interval, self._keep_alive, interval
-                )
+            await self._open_generation(message)
         else:
             await self._other(kind, message)
+
+    def _kind_of(self, message: Message) -> str:
+        """``generation`` when this request is one (its route chose a policy or metering,
+        it detached, or its response is an event stream), ``json`` when its body must tell,
+        else ``other``: not an LLM exchange, so nothing is written and no header added."""
+        scope = self.scope
+        state = self.state
+        if state.detached or route_policy(scope) is not None or callable(self.mw.policy):
+            return "generation"
+        endpoint = scope.get("endpoint") or getattr(scope.get("route"), "endpoint", None)
+        if getattr(endpoint, METERED_ATTRIBUTE, None):
+            return "generation"
+        for name, value in message.get("headers", ()):
+            if name == b"content-type":
+                value = value.lower()
+                if value.startswith(b"text/event-stream"):
+                    return "generation"
+                if value.startswith(b"application/json"):
+                    return "json"
+                return "other"
+        return "other"
+
+    async def _hold(self, message: Message, body: bytes, more_body: bool) -> None:
+        """A body message of a held JSON response: decide once its first bytes (or all of
+        it) are in, then hand the held messages on, as a generation's or straight through."""
+        held_body = self.held_body
+        held_body.append(message)
+        head = b"".join(m.get("body", b"") for m in held_body)
+        start = self.held
+        assert start is not None
+        if (
+            more_body
+            and len(head) < _JUDGE_BYTES
+            and not is_llm_json(head, start["status"], whole=False)
+        ):
+            return  # nothing tells yet: wait for more of it
+        self.held = None
+        self.held_body = []
+        if is_llm_json(head, start["status"], whole=not more_body):
+            await self._open_generation(start)
+            # Through the generation's path; metering saw these messages already.
+            observe, self.observe = self.observe, None
+            try:
+                for held in held_body:
+                    await self.app_send(held)
+            finally:
+                self.observe = observe
+            return
+        self.passthrough = True
+        await self._pass(start)
+        for held in held_body:
+            await self._pass_body(held, len(held.get("body", b"")), held.get("more_body", False))
+
+    async def _pass(self, message: Message) -> None:
+        """A message of a response that is not a generation, straight to the server."""
+        if self.client_gone:
+            return
+        try:
+            await self.send(message)
+        except OSError:
+            self._client_went_away()
+
+    async def _pass_body(self, message: Message, size: int, more_body: bool) -> None:
+        await self._pass(message)
+        if self.client_gone:
+            return
+        self.state.delivered_bytes += size
+        if not more_body and not self.expect_trailers:
+            self.delivery = _DONE
+
+    async def _open_generation(self, message: Message) -> None:
+        """The response is a generation: open its log and hand the server its start."""
+        message = self._start(message)
+        if self.client_gone:
+            return
+        try:
+            await self.send(message)
+        except OSError:
+            self._client_went_away()
+            return
+        interval = self.mw.keep_alive
+        if interval is not None and is_event_stream(self.generation.content_type):  # type: ignore[union-attr]
+            self.keep_alive_handle = asyncio.get_running_loop().call_later(
+                interval, self._keep_alive, interval
+            )
 
     async def _other(self, kind: str, message: Message) -> None:
         """Every other message keeps its place behind what was produced before it."""
         generation = self.generation
         if generation is None:
-            # Nothing of the response is held yet (early hints, say): straight through.
-            if not self.client_gone:
-                await self.send(message)
+            held = self.held
+            if held is not None and kind in _ENDS_BODY:
+                # A JSON response that ends without a whole body message: no LLM answer.
+                self.held = None
+                self.passthrough = True
+                await self._pass(held)
+                for body in self.held_body:
+                    await self._pass(body)
+                self.held_body = []
+            # Nothing of the response is held (early hints, say), or it is no generation:
+            # straight through.
+            await self._pass(message)
+            if self.passthrough and not self.client_gone and _ends(kind, message):
+                self.delivery = _DONE
             return
         if kind == "http.response.pathsend":
             # The file is the body, sent by the server; the log keeps none of it.

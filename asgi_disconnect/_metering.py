@@ -16,7 +16,7 @@ import msgspec
 
 from ._adapters import FORMATS
 from ._aio import shielded
-from ._contract import RequestState, Reservations, UsageSink
+from ._contract import METERED_ATTRIBUTE, RequestState, Reservations, UsageSink
 from ._lifecycle import lifecycle_of
 from ._records import UsageRecord
 from .metering import StreamMeter, StreamReport, analyze
@@ -88,7 +88,6 @@ class Calibration:
         return seen[0] / seen[1], int(seen[2])
 
 
-METERED_ATTRIBUTE = "__asgi_disconnect_metered__"
 
 _E = TypeVar("_E", bound=Callable[..., Any])
 

@@ -31,6 +31,7 @@ __all__ = [
     "StreamMeter",
     "StreamReport",
     "analyze",
+    "is_llm_json",
     "openai_tokenizer",
 ]
 
@@ -380,6 +381,53 @@ def openai_tokenizer(model: str = "gpt-4o") -> Callable[[str], int]:
 
     return count
 
+
+
+class _Shape(msgspec.Struct):
+    object: Any = None
+    type: Any = None
+    choices: Any = msgspec.UNSET
+    candidates: Any = msgspec.UNSET
+    usage: Any = msgspec.UNSET
+    usageMetadata: Any = msgspec.UNSET
+    error: Any = None
+
+
+_SHAPE = msgspec.json.Decoder(_Shape)
+_LLM_OBJECTS = frozenset({"chat.completion", "response", "text_completion"})
+# What marks an LLM API's JSON when the body is too large or not whole yet (an embeddings
+# batch names its rows before its usage, at the end).
+_LLM_HINTS = (
+    b'"choices"',
+    b'"usage"',
+    b'"candidates"',
+    b'"usageMetadata"',
+    b'"object":"embedding"',
+    b'"object": "embedding"',
+)
+_WHOLE_JSON = 1 << 20
+
+
+def is_llm_json(body: bytes, status: int, *, whole: bool = True) -> bool:
+    """Whether a JSON response body is an LLM API's: an OpenAI, Anthropic or Gemini answer
+    (its ``object`` / ``type``, ``choices``, ``candidates``, a ``usage``), or, with an error
+    ``status``, a provider's error object. ``whole=False``: the first part of a body streamed
+    in pieces, judged by what it shows (``choices``, ``usage``, embeddings' rows...)."""
+    if not whole or len(body) > _WHOLE_JSON:
+        head = body[:65536]
+        return any(hint in head for hint in _LLM_HINTS) or b'"chat.completion"' in head
+    try:
+        shape = _SHAPE.decode(body)
+    except msgspec.DecodeError:
+        return False
+    unset = msgspec.UNSET
+    if shape.object in _LLM_OBJECTS or shape.type == "message":
+        return True
+    if shape.choices is not unset or shape.candidates is not unset:
+        return True
+    if shape.usage is not unset or shape.usageMetadata is not unset:
+        return True
+    return status >= 400 and isinstance(shape.error, dict)
 
 
 def analyze(body: bytes, provider: str | None = None) -> StreamReport:

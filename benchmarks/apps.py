@@ -20,6 +20,11 @@ async def small_json(request: object) -> JSONResponse:
     return JSONResponse({"id": "chatcmpl-1", "object": "chat.completion", "ok": True})
 
 
+async def app_json(request: object) -> JSONResponse:
+    """The app's own JSON (a health check, say): no LLM exchange, so no generation."""
+    return JSONResponse({"ok": True, "status": "healthy"})
+
+
 async def _events():  # type: ignore[no-untyped-def]
     for _ in range(SSE_EVENTS):
         yield _EVENT
@@ -42,7 +47,12 @@ async def sse_paced(request: object) -> StreamingResponse:
 
 def make_app() -> Starlette:
     return Starlette(
-        routes=[Route("/json", small_json), Route("/sse", sse), Route("/sse-paced", sse_paced)]
+        routes=[
+            Route("/json", small_json),
+            Route("/app-json", app_json),
+            Route("/sse", sse),
+            Route("/sse-paced", sse_paced),
+        ]
     )
 
 

@@ -161,6 +161,7 @@ def main() -> None:
     names = ["bare", *(name for name in args.apps if name != "bare")]
     plan = (
         ("/json", args.requests, 200, "request"),
+        ("/app-json", args.requests, 200, "request"),
         ("/sse", args.streams, 5, "stream"),
         ("/sse-paced", args.streams, 5, "stream"),
     )

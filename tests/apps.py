@@ -66,6 +66,7 @@ def sse_app(probe: Probe, *, chunks: int = 50, delay: float = 0.01, size: int = 
     async def slow_json_detach(request: Request) -> JSONResponse:
         return await slow_json(request)
 
+    @disconnect_policy("cancel")  # chose a policy: a generation, though its JSON is no LLM's
     async def json(request: Request) -> JSONResponse:
         return JSONResponse({"ok": True})
 

@@ -29,6 +29,7 @@ from asgi_disconnect import (
     RequestState,
     UsageRecord,
     default_principal,
+    disconnect_policy,
     install,
 )
 from asgi_disconnect.testing import drive, lifespan
@@ -172,6 +173,7 @@ def user_of(scope: Any) -> str | None:
 async def test_install_gives_its_principal_to_idempotency() -> None:
     runs = 0
 
+    @disconnect_policy("cancel")
     async def charge(request: Request) -> JSONResponse:
         nonlocal runs
         runs += 1
@@ -372,7 +374,8 @@ async def test_trailers_follow_a_held_body(path_kind: str) -> None:
             }
         )
 
-    mw = DisconnectMiddleware(routed(app), backend=MemoryBackend())
+    # A policy callable makes every response a generation (see test_what_becomes_a_generation).
+    mw = DisconnectMiddleware(routed(app), backend=MemoryBackend(), policy=lambda scope: "cancel")
     seen: list[Message] = []
 
     async def run_once() -> RequestState:
@@ -405,7 +408,10 @@ async def test_trailers_follow_a_held_body(path_kind: str) -> None:
     assert state.generation.status == "complete"
 
 
-async def test_pathsend_ends_the_response_and_background_work_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("generation", [True, False], ids=["generation", "not-a-generation"])
+async def test_pathsend_ends_the_response_and_background_work_runs(
+    tmp_path: Path, generation: bool
+) -> None:
     path = tmp_path / "report.txt"
     path.write_bytes(b"x" * 1000)
     background_done = asyncio.Event()
@@ -416,6 +422,9 @@ async def test_pathsend_ends_the_response_and_background_work_runs(tmp_path: Pat
 
     async def download(request: Request) -> FileResponse:
         return FileResponse(path, background=BackgroundTask(after))
+
+    if generation:
+        download = disconnect_policy("cancel")(download)
 
     records: list[UsageRecord] = []
     app = Starlette(routes=[Route("/file", download)])
@@ -435,8 +444,12 @@ async def test_pathsend_ends_the_response_and_background_work_runs(tmp_path: Pat
     assert background_done.is_set()
     state: RequestState = scope["asgi_disconnect"]
     assert state.ending is Ending.DELIVERED
-    assert state.generation is not None
-    assert state.generation.status == "complete"
+    if generation:
+        assert state.generation is not None
+        assert state.generation.status == "complete"
+    else:  # a file is no LLM exchange: nothing written, no header
+        assert state.generation is None
+        assert all(name != b"x-generation-id" for name, _ in seen[0]["headers"])
     await asyncio.sleep(0.05)
     assert records == []  # a file is not an LLM response: metering stepped aside
 

@@ -330,6 +330,7 @@ async def test_error_after_headers_on_other_streams_is_not_completed() -> None:
         yield b"partial"
         raise RuntimeError("boom")
 
+    @disconnect_policy("cancel")  # a generation by its route's choice, ndjson as it is
     async def endpoint(request: Request) -> StreamingResponse:
         return StreamingResponse(chunks(), media_type="application/x-ndjson")
 

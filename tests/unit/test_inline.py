@@ -52,8 +52,8 @@ async def test_a_detach_default_is_never_inline() -> None:
     mw = DisconnectMiddleware(
         sse_app(Probe(), chunks=2, delay=0), backend=MemoryBackend(), policy="detach"
     )
-    await drive(mw, path="/json")
-    assert mw._cancel_only == {("GET", "/json"): False}
+    await drive(mw, path="/cancel")  # a route that chose no policy of its own
+    assert mw._cancel_only == {("GET", "/cancel"): False}
 
 
 async def test_inline_json_and_stream_are_whole_and_resumable() -> None:

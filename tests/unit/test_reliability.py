@@ -50,7 +50,14 @@ def streaming_app(runs: Runs, media_type: str, parts: list[bytes]) -> Starlette:
     ("media_type", "parts"),
     [
         ("text/event-stream", [b"data: %d\n\n" % i for i in range(20)]),
-        ("application/json", [b'{"part":1,', b'"more":"' + b"x" * 40 + b'",', b'"end":true}']),
+        (
+            "application/json",  # an LLM API's JSON, streamed in parts: a generation
+            [
+                b'{"object":"chat.completion","choices":[',
+                b'{"index":0,"message":{"content":"' + b"x" * 40 + b'"}}],',
+                b'"usage":{"prompt_tokens":1,"completion_tokens":2}}',
+            ],
+        ),
     ],
 )
 async def test_a_response_cut_by_a_disconnect_is_not_replayed(
