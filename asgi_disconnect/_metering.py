@@ -88,7 +88,6 @@ class Calibration:
         return seen[0] / seen[1], int(seen[2])
 
 
-
 _E = TypeVar("_E", bound=Callable[..., Any])
 
 

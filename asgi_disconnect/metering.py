@@ -382,7 +382,6 @@ def openai_tokenizer(model: str = "gpt-4o") -> Callable[[str], int]:
     return count
 
 
-
 class _Shape(msgspec.Struct):
     object: Any = None
     type: Any = None
