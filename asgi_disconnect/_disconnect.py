@@ -1146,14 +1146,17 @@ class _Exchange:
             generation = self.generation
             if generation is None:
                 if self.held is not None:
-                    await self._hold(message, body, more_body)
-                    return
-                if self.passthrough:
+                    if not await self._judge(message, body, more_body):
+                        return
+                    # It is one: this message goes on below, behind the held ones.
+                    generation, writer = self.generation, self.writer
+                elif self.passthrough:
                     await self._pass_body(message, size, more_body)
                     return
-                raise RuntimeError(
-                    "ASGI message 'http.response.body' sent before 'http.response.start'"
-                )
+                if generation is None:
+                    raise RuntimeError(
+                        "ASGI message 'http.response.body' sent before 'http.response.start'"
+                    )
             if body:
                 if len(body) <= MESSAGE_BYTES:
                     generation.append(body)
@@ -1244,36 +1247,39 @@ class _Exchange:
                 return "other"
         return "other"
 
-    async def _hold(self, message: Message, body: bytes, more_body: bool) -> None:
+    async def _judge(self, message: Message, body: bytes, more_body: bool) -> bool:
         """A body message of a held JSON response: decide once its first bytes (or all of
-        it) are in, then hand the held messages on, as a generation's or straight through."""
-        held_body = self.held_body
-        held_body.append(message)
-        head = b"".join(m.get("body", b"") for m in held_body)
+        it) are in. True: it is a generation, and ``message`` goes on as its body (the held
+        ones before it went already); False: held on, or passed straight through."""
         start = self.held
         assert start is not None
+        held_body = self.held_body
+        head = b"".join([*(m.get("body", b"") for m in held_body), body]) if held_body else body
         if (
             more_body
             and len(head) < _JUDGE_BYTES
             and not is_llm_json(head, start["status"], whole=False)
         ):
-            return  # nothing tells yet: wait for more of it
+            held_body.append(message)  # nothing tells yet: wait for more of it
+            return False
         self.held = None
         self.held_body = []
         if is_llm_json(head, start["status"], whole=not more_body):
             await self._open_generation(start)
-            # Through the generation's path; metering saw these messages already.
-            observe, self.observe = self.observe, None
-            try:
-                for held in held_body:
-                    await self.app_send(held)
-            finally:
-                self.observe = observe
-            return
+            if held_body:
+                # Through the generation's path; metering saw these messages already.
+                observe, self.observe = self.observe, None
+                try:
+                    for held in held_body:
+                        await self.app_send(held)
+                finally:
+                    self.observe = observe
+            return True
         self.passthrough = True
         await self._pass(start)
-        for held in held_body:
+        for held in (*held_body, message):
             await self._pass_body(held, len(held.get("body", b"")), held.get("more_body", False))
+        return False
 
     async def _pass(self, message: Message) -> None:
         """A message of a response that is not a generation, straight to the server."""

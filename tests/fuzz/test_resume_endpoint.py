@@ -23,7 +23,7 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from asgi_disconnect import DisconnectMiddleware, MemoryBackend
+from asgi_disconnect import DisconnectMiddleware, MemoryBackend, disconnect_policy
 from asgi_disconnect.testing import DriveResult, drive
 from tests.fuzz._settings import fuzz
 
@@ -48,6 +48,7 @@ def app() -> Starlette:
         for i in range(10):
             yield f"data: {i}\n\n".encode()
 
+    @disconnect_policy("cancel")  # a plain-text generation, by its route's choice
     async def report(request: Request) -> StreamingResponse:
         return StreamingResponse(text(), media_type="text/plain")
 
