@@ -127,6 +127,7 @@ class StreamMeter:
         "_decoder",
         "_detections_left",
         "_first_offset",
+        "_limit",
         "_max_event",
         "_open",
         "_skipping",
@@ -144,6 +145,7 @@ class StreamMeter:
         if provider is not None and provider not in ADAPTERS:
             raise ValueError(f"provider must be one of {', '.join(FORMATS)} or None: {provider!r}")
         self._max_event = max_event_bytes
+        self._limit = min(WINDOW, max_event_bytes)
         self._decoder = SSEDecoder(max_event_bytes=max_event_bytes)
         self._base = 0  # bytes fed to decoders before this one, and skipped
         self._open = 0  # bytes since the last blank line: the event under way
@@ -179,16 +181,24 @@ class StreamMeter:
                 chunk = self._skip(chunk)
                 if not chunk:
                     return
-            end = _after_blank_line(chunk)
-            self._open = len(chunk) - end if end >= 0 else self._open + len(chunk)
-            if self._open > min(WINDOW, self._max_event):
+            # The bytes of the event under way: a blank line ends an event.
+            end = chunk.rfind(b"\n\n")
+            if end >= 0 and 13 not in chunk:
+                end += 2
+                size = self._open = len(chunk) - end
+            else:
+                end = _after_blank_line(chunk)
+                size = self._open = len(chunk) - end if end >= 0 else self._open + len(chunk)
+            if size > self._limit:
                 # The event under way is too large to hold: read what ended before it,
                 # then skip it.
                 head = chunk[:end] if end >= 0 else b""
                 events = self._decode(head) if head else []
                 self._start_skipping(chunk[len(head) :])
+            elif self._first_offset is None:
+                events = self._feed_first(chunk)
             else:
-                events = self._decode(chunk)
+                events = self._decoder.feed(chunk)
             if events:
                 self.event_count += len(events)
                 self._read(events)
@@ -243,7 +253,7 @@ class StreamMeter:
         self.text_chars = state.text_chars
         marks = self.marks
         if marks is not None:
-            marks.append(self.bytes_fed)
+            marks.append(self._base + self._decoder.bytes_fed)
             marks.append(state.text_chars)
         text = state.text
         block = self._block
