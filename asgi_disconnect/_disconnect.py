@@ -1300,13 +1300,8 @@ class _Exchange:
 
     async def _open_generation(self, message: Message) -> None:
         """The response is a generation: open its log and hand the server its start."""
-        message = self._start(message)
+        await self._pass(self._start(message))
         if self.client_gone:
-            return
-        try:
-            await self.send(message)
-        except OSError:
-            self._client_went_away()
             return
         interval = self.mw.keep_alive
         if interval is not None and is_event_stream(self.generation.content_type):  # type: ignore[union-attr]

@@ -19,7 +19,7 @@ from ._aio import shielded
 from ._contract import METERED_ATTRIBUTE, RequestState, Reservations, UsageSink
 from ._lifecycle import lifecycle_of
 from ._records import UsageRecord
-from .metering import StreamMeter, StreamReport, analyze
+from .metering import StreamMeter, StreamReport, analyze, llm_shape
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -643,21 +643,8 @@ def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple
         fmt = "gemini"
     else:
         fmt = provider
-    unset = msgspec.UNSET
-    # A provider's refusal relayed (the quickstart passes a 400, 401, 429 or 500 on): a
-    # record of its own, outcome error, with the provider's error type.
-    refusal = (
-        error is not None
-        and (status or 0) >= 400
-        and any(name in error for name in ("type", "message", "status", "code"))
-    )
-    recognized = (
-        fmt is not provider
-        or refusal
-        or (
-            payload.usage is not unset or payload.usageMetadata is not unset or choices is not unset
-        )
-    )
+    # One rule with DisconnectMiddleware's: a provider's refusal passed on is one too.
+    recognized = fmt is not provider or llm_shape(payload, status)
     error_type = None
     if error is not None:
         # OpenAI and Anthropic say "type"; Gemini (Google's APIs) "status", then "code".

@@ -429,6 +429,13 @@ def is_llm_json(body: bytes, status: int, *, whole: bool = True) -> bool:
         shape = _SHAPE.decode(body)
     except msgspec.DecodeError:
         return False
+    return llm_shape(shape, status)
+
+
+def llm_shape(shape: Any, status: int | None) -> bool:
+    """The rule, on a decoded body's members (``object``, ``type``, ``choices``,
+    ``candidates``, ``usage``, ``usageMetadata``, ``error``; absent ones ``msgspec.UNSET``):
+    what makes a JSON body an LLM API's, for generations and usage records alike."""
     unset = msgspec.UNSET
     if shape.object in _LLM_OBJECTS or shape.type == "message":
         return True
@@ -436,7 +443,13 @@ def is_llm_json(body: bytes, status: int, *, whole: bool = True) -> bool:
         return True
     if shape.usage is not unset or shape.usageMetadata is not unset:
         return True
-    return status >= 400 and isinstance(shape.error, dict)
+    # A provider's refusal passed on: its error object under an error status.
+    error = shape.error
+    return (
+        (status or 0) >= 400
+        and isinstance(error, dict)
+        and any(name in error for name in ("type", "message", "status", "code"))
+    )
 
 
 def analyze(body: bytes, provider: str | None = None) -> StreamReport:

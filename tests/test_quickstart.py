@@ -46,54 +46,30 @@ def free_port() -> int:
 @pytest.mark.server
 @pytest.mark.parametrize("document", ["docs/quickstart.md", "README.md", "examples/gateway.py"])
 def test_the_quickstart_gateway_relays_and_meters(document: str, tmp_path: Path) -> None:
-    (tmp_path / "gateway.py").write_text(gateway_block(ROOT / document))
-    port = free_port()
-    with FakeProvider(tokens=50, tokens_per_second=200) as provider:
-        env = {**os.environ, "UPSTREAM_URL": provider.url, "PYTHONUNBUFFERED": "1"}
-        log = tmp_path / "out.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "gateway:app", "--port", str(port)],
-                cwd=tmp_path,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
+    provider = FakeProvider(tokens=50, tokens_per_second=200)
+    with provider, quickstart(tmp_path, provider, document) as (url, log):
+        headers = {
+            "authorization": "Bearer sk-anything",
+            "content-type": "application/json",
+        }
+        whole = asyncio.run(
+            request(f"{url}/v1/chat/completions", method="POST", headers=headers, body=BODY)
+        )
+        assert whole.status == 200
+        assert whole.body.endswith(b"data: [DONE]\n\n")
+        cut = asyncio.run(
+            request(
+                f"{url}/v1/chat/completions",
+                method="POST",
+                headers=headers,
+                body=BODY,
+                disconnect_after_bytes=600,
             )
-            try:
-                url = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + 20
-                while True:
-                    with contextlib.suppress(httpx.HTTPError):
-                        httpx.get(url, timeout=0.5)
-                        break
-                    assert proc.poll() is None, log.read_text()
-                    assert time.monotonic() < deadline, log.read_text()
-                    time.sleep(0.1)
-                headers = {
-                    "authorization": "Bearer sk-anything",
-                    "content-type": "application/json",
-                }
-                whole = asyncio.run(
-                    request(f"{url}/v1/chat/completions", method="POST", headers=headers, body=BODY)
-                )
-                assert whole.status == 200
-                assert whole.body.endswith(b"data: [DONE]\n\n")
-                cut = asyncio.run(
-                    request(
-                        f"{url}/v1/chat/completions",
-                        method="POST",
-                        headers=headers,
-                        body=BODY,
-                        disconnect_after_bytes=600,
-                    )
-                )
-                assert not cut.body.endswith(b"data: [DONE]\n\n")
-                deadline = time.monotonic() + 10
-                while log.read_text().count(" out (") < 2 and time.monotonic() < deadline:
-                    time.sleep(0.05)
-            finally:
-                proc.terminate()
-                proc.wait(20)
+        )
+        assert not cut.body.endswith(b"data: [DONE]\n\n")
+        deadline = time.monotonic() + 10
+        while log.read_text().count(" out (") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         output = log.read_text()
     whole_id = whole.headers["x-generation-id"]
     assert f"{whole_id} complete: 12 in, 50 out (provider), 50 delivered" in output, output
@@ -118,9 +94,12 @@ def test_the_docs_site_builds_strictly(tmp_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def quickstart(tmp_path: Path, provider: FakeProvider) -> Iterator[tuple[str, Path]]:
-    """examples/gateway.py under uvicorn against ``provider``: its URL and its log."""
-    (tmp_path / "gateway.py").write_text(gateway_block(ROOT / "examples/gateway.py"))
+def quickstart(
+    tmp_path: Path, provider: FakeProvider, document: str = "examples/gateway.py"
+) -> Iterator[tuple[str, Path]]:
+    """The quickstart's gateway from ``document`` under uvicorn against ``provider``: its URL
+    and its log (read it once the block has exited: uvicorn has stopped by then)."""
+    (tmp_path / "gateway.py").write_text(gateway_block(ROOT / document))
     port = free_port()
     env = {**os.environ, "UPSTREAM_URL": provider.url, "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "out.log"
