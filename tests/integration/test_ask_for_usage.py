@@ -137,3 +137,24 @@ def test_the_filter_gives_a_recorded_stream_back_as_it_was_without_usage() -> No
     for variant in (blocks, nulls):
         shown = b"".join(s for block in variant if (s := _without_usage(block)) is not None)
         assert shown == without
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"not json",
+        b"[1, 2]",
+        b'{"stream": false, "messages": []}',
+        b'{"stream": true, "prompt": "no messages"}',
+        b'{"stream": true, "messages": [], "stream_options": "yes"}',
+        b'{"stream": true, "messages": [], "stream_options": {"include_usage": true}}',
+    ],
+)
+def test_a_request_that_is_no_chat_stream_or_asks_already_is_sent_as_it_is(
+    content: bytes,
+) -> None:
+    from asgi_disconnect.upstream import _asking_for_usage
+
+    client = httpx.AsyncClient(base_url="http://provider.invalid")
+    request = client.build_request("POST", "/v1/chat/completions", content=content)
+    assert _asking_for_usage(client, request) is None
