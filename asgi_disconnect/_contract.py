@@ -18,6 +18,8 @@ field                  written by
 ``generation_id``      :func:`request_state`, once
 ``principal``          :func:`request_state`, once
 ``generation``         DisconnectMiddleware, at the response start
+``log_store``          DisconnectMiddleware, with ``generation``: where its bytes are
+                       read back (``follow``), those the log let go included
 ``policy``             DisconnectMiddleware, when the client left
 ``detached``           DisconnectMiddleware, when the policy detached the work
 ``disconnected``       DisconnectMiddleware, when the client left or lagged
@@ -178,6 +180,12 @@ class Closable(Protocol):
     async def aclose(self) -> None: ...
 
 
+class LogStore(Protocol):
+    """Where a generation's bytes are read back, from any offset."""
+
+    def follow(self, generation_id: str, offset: int) -> AsyncIterator[bytes]: ...
+
+
 class RequestState:
     """What the middlewares know about one request; read it, don't replace it."""
 
@@ -194,6 +202,7 @@ class RequestState:
         "generation_id",
         "handled",
         "idempotency",
+        "log_store",
         "marks",
         "observe",
         "policy",
@@ -214,6 +223,7 @@ class RequestState:
         self.generation_id = generation_id
         self.principal = principal
         self.generation: Generation | None = None
+        self.log_store: LogStore | None = None
         self.policy: Policy | None = None
         self.detached = False
         self.ending: Ending | None = None
@@ -227,7 +237,7 @@ class RequestState:
         self.upstreams: list[Closable] = []
         self._finalizers: list[Callable[[], object]] | None = []
         self.app_send: Callable[[Any], Awaitable[None]] | None = None
-        self.observe: Callable[[Any], None] | None = None
+        self.observe: Callable[[Any], bool | None] | None = None
         # None unless an observer wants them: (moment, Unix time in ns), in order.
         self.marks: list[tuple[str, int]] | None = None
         self.usage: UsageRecord | None = None

@@ -541,7 +541,7 @@ class _Exchange:
         self.cancelled_by_policy = False
         self.interrupt_reason = "interrupted before it finished"
         # Metering's observer (RequestState.observe), taken at the response start.
-        self.observe: Callable[[Message], None] | None = None
+        self.observe: Callable[[Message], bool | None] | None = None
         self.stopped = False  # its owner asked to stop it (POST .../cancel)
         self.drained: int | None = None  # a drain ended it: retry after that many seconds
         self.keep_alive_seen = 0  # the log's size at the last keep-alive tick
@@ -705,7 +705,7 @@ class _Exchange:
             if drained is not None:
                 code, frame = "draining", "The server is draining; retry on another replica."
             if not framed:
-                generation.append(
+                generation.append_frame(
                     error_frame(generation.id, code, frame or error, retry_after=drained)
                 )
             generation.finish(status, error)
@@ -730,7 +730,7 @@ class _Exchange:
         """The app ended a stream whose protocol did not say it was complete."""
         if end == "truncated":
             reason = "the stream ended without its protocol's terminal marker"
-            generation.append(error_frame(generation.id, "truncated_stream", reason))
+            generation.append_frame(error_frame(generation.id, "truncated_stream", reason))
         else:
             reason = "the stream carried an error event"
         generation.finish(_STATUS_FAILED, reason)
@@ -1099,8 +1099,8 @@ class _Exchange:
     async def app_send(self, message: Message) -> None:
         kind = message["type"]
         observe = self.observe
-        if observe is not None:
-            observe(message)
+        if observe is not None and observe(message):
+            self.observe = None  # metering has what it needs per message: the log has the rest
         if kind == "http.response.body":
             body = message.get("body", b"")
             size = len(body)
@@ -1416,7 +1416,8 @@ class _Exchange:
         # What the client has not received yet stays in memory (see Generation.release).
         generation.reader = state
         self.generation = state.generation = generation
-        self.mw.backend.register(generation)
+        backend = state.log_store = self.mw.backend
+        backend.register(generation)
         self.mw._running[generation.id] = self
         if message.get("trailers"):
             self.expect_trailers = True

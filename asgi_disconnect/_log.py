@@ -16,6 +16,10 @@ __all__ = ["Generation", "Released", "now"]
 
 
 _READ_LIMIT = 1 << 20
+# A running event stream's log keeps its last events whole, up to this many bytes: metering
+# reads the stream's end there when it ends (the provider's usage, the terminal marker).
+TAIL_EVENTS = 3
+TAIL_LIMIT = 960 << 10
 
 
 # What a released chunk's slot holds: its bytes are gone, its index stays.
@@ -65,6 +69,8 @@ class Generation:
     # Chunks before ``base_index`` (bytes before ``base``) were released (see ``release``).
     base = 0
     base_index = 0
+    # Where the exchange's own frames (an error frame, say) began: the app's output ends there.
+    frames_at: int | None = None
 
     def __init__(
         self,
@@ -105,6 +111,18 @@ class Generation:
         if self.waiters:
             self.wake()
 
+    def append_frame(self, data: bytes) -> None:
+        """Append a frame of the exchange's own (not the app's output) after the output."""
+        if self.frames_at is None:
+            self.frames_at = self.size
+        self.append(data)
+
+    @property
+    def output_size(self) -> int:
+        """The bytes the app produced: the log's size before any frame of the exchange's."""
+        frames_at = self.frames_at
+        return self.size if frames_at is None else frames_at
+
     def finish(self, status: Status, error: str | None = None) -> bool:
         """Record the final status once; later calls are ignored and return False."""
         if not self.running:
@@ -144,7 +162,9 @@ class Generation:
     def release(self, offset: int) -> int:
         """Free the chunks that end at or before byte ``offset`` (a store has them, and no
         reader in this process needs them); their slots stay, so chunk indices hold.
-        Returns the bytes freed."""
+        Returns the bytes freed. A running event stream keeps its end (:meth:`tail_start`)."""
+        if self.running and self._events():
+            offset = min(offset, self.tail_start())
         chunks = self.chunks
         index = self.base_index
         base = start = self.base
@@ -158,6 +178,44 @@ class Generation:
             index += 1
         self.base, self.base_index = base, index
         return base - start
+
+    def _events(self) -> bool:
+        content_type = self.content_type
+        return content_type is not None and content_type.startswith("text/event-stream")
+
+    def tail_start(self) -> int:
+        """Where an event stream's end starts in memory: just past the blank line before its
+        last :data:`TAIL_EVENTS` complete events (what follows them included), or
+        :data:`TAIL_LIMIT` bytes from its end, or ``base``, whichever is latest. A blank
+        line split between chunks may go unseen, which keeps more, never less."""
+        chunks = self.chunks
+        index = len(chunks)
+        end = self.size
+        low = max(self.base, end - TAIL_LIMIT)
+        found = 0
+        after = b""
+        while index > self.base_index and end > low:
+            index -= 1
+            chunk = chunks[index]
+            start = end - len(chunk)
+            if after[:1] == b"\n" and chunk.endswith(b"\n"):
+                found += 1
+                if found > TAIL_EVENTS:
+                    return max(end + 1, low)
+            position = len(chunk)
+            while True:
+                position = max(
+                    chunk.rfind(b"\n\n", 0, position), chunk.rfind(b"\n\r\n", 0, position)
+                )
+                if position < 0:
+                    break
+                found += 1
+                if found > TAIL_EVENTS:
+                    mark = start + position
+                    return max(mark + (2 if chunk[position + 1] == 10 else 3), low)
+            after = chunk
+            end = start
+        return low
 
     def read(self, offset: int, limit: int = _READ_LIMIT) -> bytes:
         """Up to about ``limit`` bytes starting at byte ``offset``; :class:`Released` below

@@ -16,13 +16,20 @@ import msgspec
 
 from ._adapters import FORMATS
 from ._aio import shielded
-from ._contract import METERED_ATTRIBUTE, RequestState, Reservations, UsageSink
+from ._contract import (
+    METERED_ATTRIBUTE,
+    RequestState,
+    Reservations,
+    UsageSink,
+)
 from ._lifecycle import lifecycle_of
 from ._records import UsageRecord
 from .metering import StreamMeter, StreamReport, analyze, llm_shape
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+    from ._log import Generation
 
 __all__ = [
     "MeteringMiddleware",
@@ -36,6 +43,12 @@ __all__ = [
 logger = logging.getLogger("asgi_disconnect")
 
 _OFF_LOOP_TEXT = 64 * 1024
+# An event stream under DisconnectMiddleware is read as it is produced only for its first
+# events (its format, model and first event; Anthropic's message_start); then the generation
+# log, which holds every byte, has the rest: metering reads its end (the provider's usage,
+# the terminal marker, an error) when it ends, and the whole only when the record needs its
+# text (an estimate, the share delivered, a calibration sample).
+_HEAD_EVENTS = 8
 _JSON_LIMIT = 4 << 20
 # A JSON body over _JSON_LIMIT is read by its ends: where an LLM API puts what metering
 # needs (``object``, ``model`` first; ``usage`` last).
@@ -56,16 +69,19 @@ def estimate_tokens(text: str) -> int:
 # provider counted them, before estimates use them; the sums are halved past _CALIBRATED_CAP.
 _CALIBRATED_AFTER = 200
 _CALIBRATED_CAP = 1 << 20
+_LEARNED_ANSWERS = 8
+_SAMPLED_EVERY = 32
 
 
 class Calibration:
     """Characters per output token, per model, from the provider-reported usage of earlier
     complete generations: what the default estimate divides by once it knows a model."""
 
-    __slots__ = ("_seen",)
+    __slots__ = ("_answers", "_seen")
 
     def __init__(self) -> None:
         self._seen: dict[str, list[float]] = {}  # model -> [characters, tokens, answers]
+        self._answers = 0
 
     def learn(self, model: str | None, characters: int, tokens: int | None) -> None:
         if model is None or not tokens or tokens <= 0 or characters <= 0:
@@ -79,6 +95,18 @@ class Calibration:
             seen[1] /= 2
         if len(self._seen) > 1024:
             self._seen.pop(next(iter(self._seen)))
+
+    def wants(self, model: str | None) -> bool:
+        """Whether to learn from a complete answer of ``model``: each of its first
+        :data:`_LEARNED_ANSWERS` (and until it is known), then one in :data:`_SAMPLED_EVERY`
+        (reading a stream's text costs a decode of it)."""
+        if model is None:
+            return False
+        seen = self._seen.get(model)
+        if seen is None or seen[1] < _CALIBRATED_AFTER or seen[2] < _LEARNED_ANSWERS:
+            return True
+        self._answers += 1
+        return self._answers % _SAMPLED_EVERY == 0
 
     def ratio(self, model: str | None) -> tuple[float, int] | None:
         """(characters per token, answers learned from) for ``model``, once known."""
@@ -177,6 +205,7 @@ class MeteringMiddleware:
             # DisconnectMiddleware is right outside: it shows us each message the app
             # sends, so the app gets its send as it is, not one more coroutine per chunk.
             state.observe = tee.observe
+            tee.direct = True
             app_send = send
         else:
 
@@ -213,6 +242,14 @@ class MeteringMiddleware:
                 if state.usage_pending:
                     state.settle_usage(None)
                 return
+            if self._wants_text(tee, report, state.delivered_bytes):
+                if not tee.whole_in_memory():
+                    self._queue(self._emit(scope, tee, state, reservation))
+                    return
+                report = _read_log(tee, state.delivered_bytes)
+                if self.tokenizer is not estimate_tokens and len(report.text) > _OFF_LOOP_TEXT:
+                    self._queue(self._emit(scope, tee, state, reservation, report))
+                    return
             record = self._build(scope, tee, state, report, None)
         except Exception:
             logger.exception("analysing the response failed; its usage is recorded as unknown")
@@ -267,14 +304,22 @@ class MeteringMiddleware:
         await lifecycle.run(owner, self.app, scope, receive, send)
 
     async def _emit(
-        self, scope: Scope, tee: _Tee, state: RequestState | None, reservation: Any
+        self,
+        scope: Scope,
+        tee: _Tee,
+        state: RequestState | None,
+        reservation: Any,
+        report: Any = None,
     ) -> None:
         try:
-            report = tee.report()
-            if reservation is None and not tee.wanted(report):
-                if state is not None:
-                    state.settle_usage(None)
-                return
+            if report is None:
+                report = tee.report()
+                if reservation is None and not tee.wanted(report):
+                    if state is not None:
+                        state.settle_usage(None)
+                    return
+                if state is not None and self._wants_text(tee, report, state.delivered_bytes):
+                    report = await _read_stored(tee, state, report)
             record = await self._record(scope, tee, state, report)
         except Exception:
             logger.exception("analysing the response failed; its usage is recorded as unknown")
@@ -301,6 +346,20 @@ class MeteringMiddleware:
         ):
             estimate = await asyncio.to_thread(self.tokenizer, report.text)
         return self._build(scope, tee, state, report, estimate)
+
+    def _wants_text(self, tee: _Tee, report: Any, delivered: int) -> bool:
+        """Whether the record needs the text of a stream left to its log: for an estimate,
+        the share delivered, or a calibration sample of a complete answer."""
+        if tee.log is None:
+            return False
+        if tee.needs_text(report, delivered):
+            return True
+        return (
+            report.usage_source == "provider"
+            and report.terminal_marker_seen
+            and bool(report.output_tokens)
+            and self.calibration.wants(report.model)
+        )
 
     def _estimate(self, text: str, model: str | None) -> tuple[int, str]:
         """Tokens in ``text`` and how they were counted."""
@@ -353,7 +412,8 @@ class MeteringMiddleware:
             )
         input_tokens, output_tokens = report.input_tokens, report.output_tokens
         usage_source = report.usage_source
-        text = report.text
+        # A stream left to its log has its text only if it was read whole.
+        text = report.text if tee.log is None or tee.within is not None else ""
         notes: list[str] = []
         if usage_source == "provider" and output_tokens and text and report.terminal_marker_seen:
             self.calibration.learn(
@@ -379,6 +439,8 @@ class MeteringMiddleware:
                 usage_source = "estimated"
                 if how not in notes:
                     notes.append(how)
+        if output_tokens is None and tee.log is not None and tee.within is None:
+            notes.append("the stream's text could not be read back from the store")
         skipped = getattr(report, "skipped_events", 0)
         if skipped:
             notes.append(f"{skipped} event(s) over the meter's window were not read")
@@ -392,40 +454,45 @@ class MeteringMiddleware:
             else:
                 share = delivered / max(produced, 1)
             delivered_tokens = min(output_tokens, round(output_tokens * share))
-        return UsageRecord(
-            **_request_fields(scope, tee, state),
-            provider=report.provider_format,
-            model=report.model,
-            outcome=outcome,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            usage_source=usage_source,
-            cache_read_tokens=report.cache_read_tokens,
-            reasoning_tokens=report.reasoning_tokens,
-            delivered_bytes=delivered,
-            produced_output_tokens=output_tokens,
-            delivered_output_tokens=delivered_tokens,
-            finish_reason=report.finish_reason,
-            error_type=error_type,
-            usage_note="; ".join(notes) or None,
+        return _record(
+            scope,
+            tee,
+            state,
+            report.provider_format,
+            report.model,
+            outcome,
+            input_tokens,
+            output_tokens,
+            usage_source,
+            delivered,
+            delivered_tokens,
+            report.finish_reason,
+            error_type,
+            report.cache_read_tokens,
+            report.reasoning_tokens,
+            "; ".join(notes) or None,
         )
 
     def _unknown(self, scope: Scope, tee: _Tee, state: RequestState | None) -> UsageRecord:
         """The one record of a response that could not be analysed: usage unknown."""
         failure = tee.failure
-        return UsageRecord(
-            **_request_fields(scope, tee, state),
-            provider=tee.provider,
-            model=None,
-            outcome=_failed_outcome(tee, state) or "unknown",
-            input_tokens=None,
-            output_tokens=None,
-            usage_source="none",
-            delivered_bytes=min(state.delivered_bytes if state else tee.produced, tee.produced),
-            produced_output_tokens=None,
-            delivered_output_tokens=None,
-            finish_reason=None,
-            error_type=type(failure).__name__ if failure is not None else None,
+        return _record(
+            scope,
+            tee,
+            state,
+            tee.provider,
+            None,
+            _failed_outcome(tee, state) or "unknown",
+            None,
+            None,
+            "none",
+            min(state.delivered_bytes if state else tee.produced, tee.produced),
+            None,
+            None,
+            type(failure).__name__ if failure is not None else None,
+            None,
+            None,
+            None,
         )
 
 
@@ -437,10 +504,12 @@ class _Tee:
         "_json",
         "_tail",
         "chunks",
+        "direct",
         "ended",
         "failure",
         "first_event",
         "is_event_stream",
+        "log",
         "mark",
         "meter",
         "produced",
@@ -451,6 +520,7 @@ class _Tee:
         "started_at",
         "state",
         "status_code",
+        "within",
     )
 
     def __init__(
@@ -480,13 +550,21 @@ class _Tee:
         # Over _JSON_LIMIT: its first and last bytes only.
         self._head: bytes | None = None
         self._tail = bytearray()
+        # Seeing each message of the app right where DisconnectMiddleware logs it: an event
+        # stream may then be left to its log (``log``) after its first events.
+        self.direct = False
+        self.log: Generation | None = None
+        # With ``log``: the characters of text in the events the client received, once read.
+        self.within: int | None = None
 
-    def observe(self, message: Message) -> None:
+    def observe(self, message: Message) -> bool | None:
+        """Read one message the app sends; True: metering needs no more of them (the
+        generation log holds the rest of the body)."""
         kind = message["type"]
         if kind == "http.response.body":
             body = message.get("body", b"")
             if not body:
-                return
+                return None
             self.produced += len(body)
             meter = self.meter
             if meter is not None:
@@ -496,6 +574,8 @@ class _Tee:
                     state = self.state
                     if state is not None and state.marks is not None:
                         state.note("first_event")
+                if self.direct and meter.event_count >= _HEAD_EVENTS:
+                    return self._to_log()
             elif self._json:
                 if self._head is None:
                     self.chunks.append(body)
@@ -511,7 +591,7 @@ class _Tee:
             mark = self.mark = _route_mark(self.scope)
             if mark is False:
                 self._step_aside()
-                return
+                return None
             if isinstance(mark, str):
                 self.provider = mark
             for name, value in message.get("headers", ()):
@@ -519,15 +599,70 @@ class _Tee:
                     content_type = bytes(value).lower()
                     if content_type.startswith(b"text/event-stream"):
                         self.is_event_stream = True
-                        meter = self.meter = StreamMeter(self.provider, marks=True)
+                        self.meter = StreamMeter(self.provider, marks=not self.direct)
                         if self.state is not None:
                             # DisconnectMiddleware ends the generation by it.
-                            self.state.stream_ending = meter.ending
+                            self.state.stream_ending = self.ending
                     elif content_type.startswith(b"application/json"):
                         self._json = True
                     break
             if mark is None and not self.is_event_stream and not self._json:
                 self._step_aside()  # neither an event stream nor JSON: not an LLM response
+        return None
+
+    def _to_log(self) -> bool:
+        """Leave the rest of the stream to the generation log, if there is one."""
+        state = self.state
+        log = state.generation if state is not None else None
+        if log is None or log.frames_at is not None:
+            return False
+        self.log = log
+        return True
+
+    def ending(self) -> str | None:
+        """How the stream ended by its protocol (see :meth:`StreamMeter.ending`); with a
+        log, once its end is read."""
+        meter = self.meter
+        assert meter is not None
+        if self.log is not None:
+            self._read_end()
+        return meter.ending()
+
+    def _read_end(self) -> bool:
+        """Feed the meter the stream's end as its log keeps it (its last events, see
+        :meth:`Generation.tail_start`), or all it did not read if that is less; False if
+        the log let those bytes go (the store has them: the record reads it whole)."""
+        log, meter = self.log, self.meter
+        assert log is not None
+        assert meter is not None
+        end = log.output_size
+        fed = meter.bytes_fed
+        if end > fed:
+            start = min(max(fed, log.tail_start()), end)
+            if start < log.base:
+                return False
+            meter.jump(start - fed)
+            meter.feed(_log_bytes(log, start, end))
+        self.produced = end
+        return True
+
+    def needs_text(self, report: Any, delivered: int) -> bool:
+        """Whether the record needs the stream's text, which only a whole read gives."""
+        if self.log is None:
+            return False
+        state = self.state
+        if report.output_tokens is None:
+            return state is None or state.upstream_usage is None
+        return delivered < self.produced
+
+    def whole_in_memory(self) -> bool:
+        log = self.log
+        return log is not None and log.base == 0
+
+    def whole_reader(self, delivered: int) -> _WholeRead:
+        """A reader of the whole stream, fed its bytes in order (from the log, or from the
+        store that has what the log let go)."""
+        return _WholeRead(StreamMeter(self.provider), self.produced, delivered)
 
     @property
     def bounded(self) -> bool:
@@ -557,8 +692,12 @@ class _Tee:
         return self.is_event_stream or self.recognized
 
     def report(self) -> Any:
-        if self.meter is not None:
-            return self.meter.report()
+        meter = self.meter
+        if meter is not None:
+            if self.log is not None:
+                self.produced = self.log.output_size
+                self._read_end()
+            return meter.report()
         if self._json:
             if self._head is not None:
                 report, self.recognized = _json_ends_report(
@@ -581,8 +720,101 @@ class _Tee:
         """Characters of output text in the events that ended within the first ``size``
         bytes, to the chunk: delivery stops between chunks, except inside a body over
         1 MiB, where the text of that chunk counts as not delivered."""
+        if self.log is not None:
+            return self.within or 0
         meter = self.meter
         return 0 if meter is None else meter.text_chars_within(size)
+
+
+class _WholeRead:
+    """A whole stream read for its text: a meter fed up to the app's last byte, split at the
+    bytes the client received, to count the text of the events that reached it."""
+
+    __slots__ = ("delivered", "end", "meter", "offset", "within")
+
+    def __init__(self, meter: StreamMeter, end: int, delivered: int) -> None:
+        self.meter = meter
+        self.end = end
+        self.delivered = delivered
+        self.offset = 0
+        self.within: int | None = None
+
+    def feed(self, piece: bytes) -> bool:
+        """Read the next ``piece``; False once the app's output is all read."""
+        offset = self.offset
+        piece = piece[: self.end - offset]
+        self.offset += len(piece)
+        meter = self.meter
+        if self.within is None and self.offset >= self.delivered:
+            split = self.delivered - offset
+            meter.feed(piece[:split])
+            self.within = meter.text_chars
+            piece = piece[split:]
+        meter.feed(piece)
+        return self.offset < self.end
+
+    def report(self) -> Any:
+        report = self.meter.report()
+        if self.within is None:
+            self.within = self.meter.text_chars
+        return report
+
+
+def _log_bytes(log: Generation, start: int, end: int) -> bytes:
+    """Bytes ``start`` to ``end`` of a log that holds them in memory."""
+    parts = []
+    while start < end:
+        piece = log.read(start, end - start)[: end - start]
+        if not piece:
+            break
+        parts.append(piece)
+        start += len(piece)
+    return b"".join(parts)
+
+
+def _read_log(tee: _Tee, delivered: int) -> Any:
+    """The whole stream's report, read from its log (all of it in memory)."""
+    log = tee.log
+    assert log is not None
+    reader = tee.whole_reader(delivered)
+    for chunk in log.chunks:
+        if not reader.feed(chunk):
+            break
+    report = reader.report()
+    tee.within = reader.within
+    return report
+
+
+# How long a record waits for the store to give back a stream's bytes its log let go.
+_STORED_READ_TIMEOUT = 30.0
+
+
+async def _read_stored(tee: _Tee, state: RequestState, light: Any) -> Any:
+    """The whole stream's report, read from the log and the store that has what it let go;
+    ``light`` (what its first events and its end said) if the store cannot give it."""
+    if tee.whole_in_memory():
+        return _read_log(tee, state.delivered_bytes)
+    store = state.log_store
+    reader = tee.whole_reader(state.delivered_bytes)
+    try:
+        async with asyncio.timeout(_STORED_READ_TIMEOUT):
+            if store is not None:
+                async for piece in store.follow(state.generation_id, 0):
+                    if not reader.feed(piece):
+                        break
+    except Exception as exc:
+        logger.warning(
+            "generation %s: its text could not be read back from the store (%s); its "
+            "record has no estimate",
+            state.generation_id,
+            exc,
+        )
+        return light
+    if reader.offset < reader.end:
+        return light
+    report = reader.report()
+    tee.within = reader.within
+    return report
 
 
 async def _awaited(result: Awaitable[object], record: UsageRecord) -> None:
@@ -612,6 +844,25 @@ class _JsonBody(msgspec.Struct):
 _JSON_BODY = msgspec.json.Decoder(_JsonBody)
 
 
+class _JsonUsage(msgspec.Struct, frozen=True, gc=False):
+    """What a JSON response said, with the members of a :class:`StreamReport` that a record
+    reads; built positionally, once per JSON request."""
+
+    provider_format: str | None
+    terminal_marker_seen: bool
+    error: dict[str, Any] | None
+    error_type: str | None
+    input_tokens: int | None
+    output_tokens: int | None
+    usage_source: str
+    finish_reason: str | None
+    model: str | None
+    cache_read_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    text: str = ""
+    skipped_events: int = 0
+
+
 def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple[Any, bool]:
     """Usage from a non-streamed JSON response of any of the supported APIs, and whether
     the body is one (a known shape, or a ``usage`` member, or, with an error ``status``,
@@ -620,19 +871,26 @@ def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple
         payload = _JSON_BODY.decode(body)
     except msgspec.DecodeError:  # not JSON, or not an object
         return analyze(b"", provider), False
-    usage = _dict(payload.usage)
-    meta = _dict(payload.usageMetadata)
-    error = payload.error if isinstance(payload.error, dict) else None
-    input_tokens = _count(usage, "prompt_tokens", "input_tokens")
-    if input_tokens is None:
-        input_tokens = _count(meta, "promptTokenCount")
-    output_tokens = _count(usage, "completion_tokens", "output_tokens")
-    if output_tokens is None:
-        output_tokens = _count(meta, "candidatesTokenCount")
+    usage = payload.usage
+    input_tokens = output_tokens = None
+    if type(usage) is dict:
+        input_tokens = _count(usage, "prompt_tokens", "input_tokens")
+        output_tokens = _count(usage, "completion_tokens", "output_tokens")
+    meta = payload.usageMetadata
+    if type(meta) is dict:  # Gemini's
+        if input_tokens is None:
+            input_tokens = _count(meta, "promptTokenCount")
+        if output_tokens is None:
+            output_tokens = _count(meta, "candidatesTokenCount")
+    error = payload.error if type(payload.error) is dict else None
     choices = payload.choices
-    first = _dict(choices[0]) if isinstance(choices, list) and choices else {}
-    finish = _text(first.get("finish_reason")) or _text(payload.stop_reason)
-    finish = finish or _text(payload.status)
+    finish = None
+    if type(choices) is list and choices and type(choices[0]) is dict:
+        finish = _text(choices[0].get("finish_reason"))
+    if not finish and payload.stop_reason is not None:
+        finish = _text(payload.stop_reason)
+    if not finish and payload.status is not None:
+        finish = _text(payload.status)
     if payload.object == "chat.completion":
         fmt: str | None = "openai_chat"
     elif payload.object == "response":
@@ -651,18 +909,17 @@ def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple
         error_type = _text(error.get("type")) or _text(error.get("status"))
         if error_type is None and isinstance(error.get("code"), str | int):
             error_type = str(error["code"])
-    report = StreamReport(
-        provider_format=fmt,
+    report = _JsonUsage(
+        fmt,
         # A whole JSON document is a whole answer (an embeddings batch reports no output).
-        terminal_marker_seen=error is None,
-        error=error,
-        error_type=error_type,
-        input_tokens=input_tokens,
-        output_tokens=output_tokens,
-        usage_source="provider" if output_tokens is not None else "none",
-        finish_reason=finish,
-        event_count=0,
-        model=_text(payload.model),
+        error is None,
+        error,
+        error_type,
+        input_tokens,
+        output_tokens,
+        "provider" if output_tokens is not None else "none",
+        finish,
+        _text(payload.model),
     )
     return report, recognized
 
@@ -794,23 +1051,96 @@ def _json_ends_report(head: bytes, tail: bytes, provider: str | None) -> tuple[A
     return report, fmt is not provider or reported
 
 
-def _request_fields(scope: Scope, tee: _Tee, state: RequestState | None) -> dict[str, Any]:
-    """What a usage record says of the request, whatever its body said."""
+_RECORD_FIELDS = (
+    "generation_id",
+    "principal",
+    "method",
+    "route",
+    "status_code",
+    "provider",
+    "model",
+    "outcome",
+    "input_tokens",
+    "output_tokens",
+    "usage_source",
+    "produced_bytes",
+    "delivered_bytes",
+    "produced_output_tokens",
+    "delivered_output_tokens",
+    "time_to_first_event",
+    "duration",
+    "finish_reason",
+    "error_type",
+    "started_at",
+    "cache_read_tokens",
+    "reasoning_tokens",
+    "policy",
+    "detached",
+    "delivery",
+    "usage_note",
+)
+if UsageRecord.__struct_fields__ != _RECORD_FIELDS:  # _record builds one in this order
+    raise RuntimeError(f"UsageRecord's fields moved: {UsageRecord.__struct_fields__}")
+
+
+def _record(
+    scope: Scope,
+    tee: _Tee,
+    state: RequestState | None,
+    provider: str | None,
+    model: str | None,
+    outcome: str,
+    input_tokens: int | None,
+    output_tokens: int | None,
+    usage_source: str,
+    delivered: int,
+    delivered_tokens: int | None,
+    finish_reason: str | None,
+    error_type: str | None,
+    cache_read_tokens: int | None,
+    reasoning_tokens: int | None,
+    note: str | None,
+) -> UsageRecord:
+    """The record: what the request was, whatever its body said, and what it cost."""
     route = scope.get("route")
-    return {
-        "generation_id": state.generation_id if state is not None else None,
-        "principal": state.principal if state is not None else None,
-        "method": scope.get("method", ""),
-        "route": getattr(route, "path", None) or scope.get("path", ""),
-        "status_code": tee.status_code,
-        "produced_bytes": tee.produced,
-        "time_to_first_event": tee.first_event,
-        "duration": tee.ended - tee.started,
-        "policy": state.policy.value if state is not None and state.policy is not None else None,
-        "detached": state.detached if state is not None else False,
-        "delivery": state.delivery if state is not None else "sent",
-        "started_at": tee.started_at,
-    }
+    generation_id: str | None
+    principal: str | None
+    policy: str | None
+    if state is not None:
+        generation_id, principal = state.generation_id, state.principal
+        policy = state.policy.value if state.policy is not None else None
+        detached, delivery = state.detached, state.delivery
+    else:
+        generation_id = principal = policy = None
+        detached, delivery = False, "sent"
+    return UsageRecord(
+        generation_id,
+        principal,
+        scope.get("method", ""),
+        getattr(route, "path", None) or scope.get("path", ""),
+        tee.status_code,
+        provider,
+        model,
+        outcome,
+        input_tokens,
+        output_tokens,
+        usage_source,
+        tee.produced,
+        delivered,
+        output_tokens,
+        delivered_tokens,
+        tee.first_event,
+        tee.ended - tee.started,
+        finish_reason,
+        error_type,
+        tee.started_at,
+        cache_read_tokens,
+        reasoning_tokens,
+        policy,
+        detached,
+        delivery,
+        note,
+    )
 
 
 def _failed_outcome(tee: _Tee, state: RequestState | None) -> str | None:

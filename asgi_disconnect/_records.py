@@ -70,7 +70,7 @@ class Claim(msgspec.Struct, frozen=True, kw_only=True):
     generation_id: str | None = None
 
 
-class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
+class UsageRecord(msgspec.Struct, frozen=True):
     """What one request cost and what its client got.
 
     ``outcome`` is ``complete`` (the protocol's terminal marker arrived), ``truncated``
@@ -87,6 +87,9 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     3.71 characters per token, calibrated on 12 answer(s) of gpt-4o"``), and what metering
     could not read (an event over its window, a JSON body over 4 MiB without usage at its
     end); None when the provider's counts are the record's.
+
+    Build it with keywords: metering builds one per request positionally, in the order
+    of its fields (26 keywords cost ten times as much to match), checked at import.
     """
 
     generation_id: str | None
@@ -100,8 +103,6 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     input_tokens: int | None
     output_tokens: int | None
     usage_source: str
-    cache_read_tokens: int | None = None
-    reasoning_tokens: int | None = None
     produced_bytes: int
     delivered_bytes: int
     produced_output_tokens: int | None
@@ -110,8 +111,10 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     duration: float
     finish_reason: str | None
     error_type: str | None
+    started_at: float
+    cache_read_tokens: int | None = None
+    reasoning_tokens: int | None = None
     policy: str | None = None
     detached: bool = False
     delivery: str = "sent"
     usage_note: str | None = None
-    started_at: float

@@ -241,6 +241,18 @@ class StreamMeter:
         self._base += consumed
         return chunk[consumed:]
 
+    def jump(self, count: int) -> None:
+        """Leave the next ``count`` bytes of the stream unread (the event under way, if any,
+        is dropped): the bytes fed next start an event. Metering reads a long stream's end
+        this way without reading its middle."""
+        if count <= 0:
+            return
+        self._base += self._decoder.bytes_fed + count
+        self._decoder = SSEDecoder(max_event_bytes=self._max_event)
+        self._skipping = False
+        self._carry = b""
+        self._open = 0
+
     @property
     def bytes_fed(self) -> int:
         """Bytes of the stream read so far, skipped ones included."""

@@ -25,6 +25,38 @@ async def app_json(request: object) -> JSONResponse:
     return JSONResponse({"ok": True, "status": "healthy"})
 
 
+# An OpenAI chat stream as a provider sends it when asked for usage: the model in every
+# chunk, a finish chunk, the usage chunk and [DONE] (what open_stream(ask_for_usage=True)
+# makes of every stream). /sse above is a stream without usage or terminal marker: its
+# record is an estimate, for which metering reads the whole text.
+_LLM_CHUNK = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,'
+    b'"model":"bench-model","choices":[{"index":0,"delta":{"content":"%s"},'
+    b'"finish_reason":null}]}\n\n'
+)
+_LLM_FIRST = _LLM_CHUNK.replace(b'"content":"%s"', b'"role":"assistant","content":""')
+_LLM_EVENT = _LLM_CHUNK % b"token"
+_LLM_END = (
+    _LLM_CHUNK.replace(b'"delta":{"content":"%s"},"finish_reason":null', b'"delta":{},'
+    b'"finish_reason":"stop"')
+    + b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,'
+    b'"model":"bench-model","choices":[],"usage":{"prompt_tokens":12,'
+    b'"completion_tokens":1000,"total_tokens":1012}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+async def _llm_events():  # type: ignore[no-untyped-def]
+    yield _LLM_FIRST
+    for _ in range(SSE_EVENTS):
+        yield _LLM_EVENT
+    yield _LLM_END
+
+
+async def sse_llm(request: object) -> StreamingResponse:
+    return StreamingResponse(_llm_events(), media_type="text/event-stream")
+
+
 async def _events():  # type: ignore[no-untyped-def]
     for _ in range(SSE_EVENTS):
         yield _EVENT
@@ -51,6 +83,7 @@ def make_app() -> Starlette:
             Route("/json", small_json),
             Route("/app-json", app_json),
             Route("/sse", sse),
+            Route("/sse-llm", sse_llm),
             Route("/sse-paced", sse_paced),
         ]
     )
