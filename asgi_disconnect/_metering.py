@@ -236,6 +236,12 @@ class MeteringMiddleware:
         if self.reservations is not None or tee.text_bound() > _OFF_LOOP_TEXT:
             self._queue(self._emit(scope, tee, state, reservation))
             return
+        if tee.direct and state.generation is None and tee.mark is None and tee.status_code:
+            # DisconnectMiddleware found no LLM exchange in the response (by the rule that
+            # ``wanted`` applies): nothing to read, no record.
+            if state.usage_pending:
+                state.settle_usage(None)
+            return
         try:
             report = tee.report()
             if not tee.wanted(report):
