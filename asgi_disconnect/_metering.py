@@ -9,6 +9,7 @@ import logging
 import re
 import time
 from collections import deque
+from functools import partial
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -224,8 +225,7 @@ class MeteringMiddleware:
             tee.ended = time.monotonic()
             if state is not None:
                 # The exchange may still be delivering: record when it is over.
-                exchange = state
-                state.on_finished(lambda: self._finished(scope, tee, exchange, reservation))
+                state.on_finished(partial(self._finished, scope, tee, state, reservation))
             else:
                 await shielded(self._emit(scope, tee, None, reservation))
 
@@ -601,7 +601,7 @@ class _Tee:
             if isinstance(mark, str):
                 self.provider = mark
             for name, value in message.get("headers", ()):
-                if name.lower() == b"content-type":
+                if name == b"content-type":  # ASGI header names are lower case
                     content_type = bytes(value).lower()
                     if content_type.startswith(b"text/event-stream"):
                         self.is_event_stream = True

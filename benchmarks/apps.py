@@ -37,8 +37,9 @@ _LLM_CHUNK = (
 _LLM_FIRST = _LLM_CHUNK.replace(b'"content":"%s"', b'"role":"assistant","content":""')
 _LLM_EVENT = _LLM_CHUNK % b"token"
 _LLM_END = (
-    _LLM_CHUNK.replace(b'"delta":{"content":"%s"},"finish_reason":null', b'"delta":{},'
-    b'"finish_reason":"stop"')
+    _LLM_CHUNK.replace(
+        b'"delta":{"content":"%s"},"finish_reason":null', b'"delta":{},"finish_reason":"stop"'
+    )
     + b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,'
     b'"model":"bench-model","choices":[],"usage":{"prompt_tokens":12,'
     b'"completion_tokens":1000,"total_tokens":1012}}\n\n'
