@@ -9,8 +9,8 @@ import logging
 import re
 import time
 from collections import deque
-from functools import partial
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -25,7 +25,7 @@ from ._contract import (
 )
 from ._lifecycle import lifecycle_of
 from ._records import UsageRecord
-from .metering import StreamMeter, StreamReport, analyze, llm_shape
+from .metering import WINDOW, StreamMeter, StreamReport, _after_blank_line, analyze, llm_shape
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -252,7 +252,7 @@ class MeteringMiddleware:
                 if not tee.whole_in_memory():
                     self._queue(self._emit(scope, tee, state, reservation))
                     return
-                report = _read_log(tee, state.delivered_bytes)
+                report = _read_log(tee, state.delivered_bytes, report)
                 if self.tokenizer is not estimate_tokens and len(report.text) > _OFF_LOOP_TEXT:
                     self._queue(self._emit(scope, tee, state, reservation, report))
                     return
@@ -665,9 +665,13 @@ class _Tee:
         log = self.log
         return log is not None and log.base == 0
 
-    def whole_reader(self, delivered: int) -> _WholeRead:
+    def whole_reader(self, delivered: int, light: Any) -> _WholeRead | _TextScan:
         """A reader of the whole stream, fed its bytes in order (from the log, or from the
-        store that has what the log let go)."""
+        store that has what the log let go); ``light``: what its first events and its end
+        said. OpenAI chat and Anthropic text is found by a byte scan, the rest decoded."""
+        pattern = _TEXT_MEMBERS.get(light.provider_format)
+        if pattern is not None:
+            return _TextScan(pattern, light, self.produced, delivered)
         return _WholeRead(StreamMeter(self.provider), self.produced, delivered)
 
     @property
@@ -766,6 +770,91 @@ class _WholeRead:
         return report
 
 
+# The string member that carries an event's output text: OpenAI chat's ``delta.content``
+# (not ``reasoning_content``: the quote before ``content`` is part of the name), Anthropic's
+# ``text_delta.text`` (not ``cited_text``, ``thinking`` or ``partial_json``).
+_TEXT_MEMBERS = {
+    "openai_chat": re.compile(rb'"content"\s*:\s*"((?:[^"\\]|\\.)*)"'),
+    "anthropic_messages": re.compile(rb'"text"\s*:\s*"((?:[^"\\]|\\.)*)"'),
+}
+_STRINGS = msgspec.json.Decoder(list[str])
+# A piece scanned at once: what a scan holds, and the most it carries of an event under way.
+_SCAN_PIECE = 256 << 10
+
+
+class _TextScan:
+    """A whole stream read for its text by a byte scan: each text member's string, found by
+    a regular expression over the events and decoded as one JSON array per piece; what its
+    first events and its end said (``light``) is the rest of the report. The text of the
+    events that ended within the bytes the client received is counted at that point."""
+
+    __slots__ = (
+        "_carry",
+        "_chars",
+        "_pattern",
+        "_texts",
+        "delivered",
+        "end",
+        "light",
+        "offset",
+        "within",
+    )
+
+    def __init__(self, pattern: re.Pattern[bytes], light: Any, end: int, delivered: int) -> None:
+        self._pattern = pattern
+        self.light = light
+        self.end = end
+        self.delivered = delivered
+        self.offset = 0
+        self.within: int | None = None
+        self._carry = b""
+        self._texts: list[str] = []
+        self._chars = 0
+
+    def feed(self, piece: bytes) -> bool:
+        """Read the next ``piece``; False once the app's output is all read."""
+        offset = self.offset
+        piece = piece[: self.end - offset]
+        self.offset += len(piece)
+        if self.within is None and self.offset >= self.delivered:
+            # The events that ended within the bytes the client received, then the rest.
+            data = self._carry + piece[: self.delivered - offset]
+            cut = _after_blank_line(data)
+            self._scan(data[: max(cut, 0)])
+            self.within = self._chars
+            self._carry = data[max(cut, 0) :]
+            piece = piece[self.delivered - offset :]
+        data = self._carry + piece
+        if len(data) < _SCAN_PIECE and self.offset < self.end:
+            self._carry = data
+        else:
+            cut = _after_blank_line(data)
+            if cut < 0:
+                cut = len(data) if len(data) > WINDOW else 0  # an event over the window
+            self._scan(data[:cut])
+            self._carry = data[cut:]
+        return self.offset < self.end
+
+    def _scan(self, data: bytes) -> None:
+        found = self._pattern.findall(data)
+        if found:
+            try:
+                texts = _STRINGS.decode(b'["' + b'","'.join(found) + b'"]')
+            except msgspec.DecodeError:  # a string that is not JSON's: not a member's
+                return
+            self._texts.extend(texts)
+            self._chars += sum(map(len, texts))
+
+    def report(self) -> Any:
+        carry = self._carry
+        if carry:  # the events that ended: one cut short counts as an eager read counts it
+            self._scan(carry[: max(_after_blank_line(carry), 0)])
+            self._carry = b""
+        if self.within is None:
+            self.within = self._chars
+        return msgspec.structs.replace(self.light, text="".join(self._texts))
+
+
 def _log_bytes(log: Generation, start: int, end: int) -> bytes:
     """Bytes ``start`` to ``end`` of a log that holds them in memory."""
     parts = []
@@ -778,11 +867,11 @@ def _log_bytes(log: Generation, start: int, end: int) -> bytes:
     return b"".join(parts)
 
 
-def _read_log(tee: _Tee, delivered: int) -> Any:
+def _read_log(tee: _Tee, delivered: int, light: Any) -> Any:
     """The whole stream's report, read from its log (all of it in memory)."""
     log = tee.log
     assert log is not None
-    reader = tee.whole_reader(delivered)
+    reader = tee.whole_reader(delivered, light)
     for chunk in log.chunks:
         if not reader.feed(chunk):
             break
@@ -799,9 +888,9 @@ async def _read_stored(tee: _Tee, state: RequestState, light: Any) -> Any:
     """The whole stream's report, read from the log and the store that has what it let go;
     ``light`` (what its first events and its end said) if the store cannot give it."""
     if tee.whole_in_memory():
-        return _read_log(tee, state.delivered_bytes)
+        return _read_log(tee, state.delivered_bytes, light)
     store = state.log_store
-    reader = tee.whole_reader(state.delivered_bytes)
+    reader = tee.whole_reader(state.delivered_bytes, light)
     try:
         async with asyncio.timeout(_STORED_READ_TIMEOUT):
             if store is not None:

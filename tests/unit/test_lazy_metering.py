@@ -27,6 +27,7 @@ from asgi_disconnect import (
     disconnect_policy,
 )
 from asgi_disconnect._log import TAIL_EVENTS, Generation
+from asgi_disconnect.metering import analyze
 from asgi_disconnect.testing import drive, lifespan
 
 pytestmark = pytest.mark.anyio
@@ -151,7 +152,14 @@ async def test_a_complete_stream_is_read_by_its_first_events_and_its_end(
     cancelled = await record_of(mw, records, disconnect_after_bytes=len(body) // 2)
     assert cancelled.outcome == "cancelled"
     assert cancelled.usage_source == "estimated"
-    assert len(read) > 400
+    # Its text is found by a byte scan: still no event decoded past the first and last.
+    assert len(read) <= 8 + TAIL_EVENTS + 8, len(read)
+    assert cancelled.output_tokens is not None
+    assert cancelled.delivered_output_tokens is not None
+    assert cancelled.delivered_output_tokens <= cancelled.output_tokens
+    # The estimate of an eager read of the same bytes (4.00 characters per token here).
+    text = analyze(body[: cancelled.produced_bytes]).text
+    assert cancelled.output_tokens == round(len(text) / 4)
 
 
 def sse(*payloads: bytes) -> list[bytes]:
