@@ -774,12 +774,12 @@ class _WholeRead:
 # (not ``reasoning_content``: the quote before ``content`` is part of the name), Anthropic's
 # ``text_delta.text`` (not ``cited_text``, ``thinking`` or ``partial_json``).
 _TEXT_MEMBERS = {
-    "openai_chat": re.compile(rb'"content"\s*:\s*"((?:[^"\\]|\\.)*)"'),
-    "anthropic_messages": re.compile(rb'"text"\s*:\s*"((?:[^"\\]|\\.)*)"'),
+    "openai_chat": re.compile(rb'"content"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"'),
+    "anthropic_messages": re.compile(rb'"text"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"'),
 }
 _STRINGS = msgspec.json.Decoder(list[str])
-# A piece scanned at once: what a scan holds, and the most it carries of an event under way.
-_SCAN_PIECE = 256 << 10
+# How many of a log's chunks a whole read takes at once.
+_CHUNKS_READ = 128
 
 
 class _TextScan:
@@ -824,15 +824,12 @@ class _TextScan:
             self.within = self._chars
             self._carry = data[max(cut, 0) :]
             piece = piece[self.delivered - offset :]
-        data = self._carry + piece
-        if len(data) < _SCAN_PIECE and self.offset < self.end:
-            self._carry = data
-        else:
-            cut = _after_blank_line(data)
-            if cut < 0:
-                cut = len(data) if len(data) > WINDOW else 0  # an event over the window
-            self._scan(data[:cut])
-            self._carry = data[cut:]
+        data = self._carry + piece if self._carry else piece
+        cut = _after_blank_line(data)
+        if cut < 0:
+            cut = len(data) if len(data) > WINDOW else 0  # an event over the window
+        self._scan(data[:cut])
+        self._carry = data[cut:]
         return self.offset < self.end
 
     def _scan(self, data: bytes) -> None:
@@ -856,15 +853,19 @@ class _TextScan:
 
 
 def _log_bytes(log: Generation, start: int, end: int) -> bytes:
-    """Bytes ``start`` to ``end`` of a log that holds them in memory."""
+    """Bytes ``start`` to ``end`` of a log that holds them in memory, found from its end
+    (metering reads a stream's last events: a few chunks back)."""
+    chunks = log.chunks
+    index = len(chunks)
+    offset = log.size
     parts = []
-    while start < end:
-        piece = log.read(start, end - start)[: end - start]
-        if not piece:
-            break
-        parts.append(piece)
-        start += len(piece)
-    return b"".join(parts)
+    while index > log.base_index and offset > start:
+        index -= 1
+        chunk = chunks[index]
+        offset -= len(chunk)
+        parts.append(chunk)
+    parts.reverse()
+    return b"".join(parts)[start - offset : end - offset]
 
 
 def _read_log(tee: _Tee, delivered: int, light: Any) -> Any:
@@ -872,8 +873,9 @@ def _read_log(tee: _Tee, delivered: int, light: Any) -> Any:
     log = tee.log
     assert log is not None
     reader = tee.whole_reader(delivered, light)
-    for chunk in log.chunks:
-        if not reader.feed(chunk):
+    chunks = log.chunks
+    for index in range(0, len(chunks), _CHUNKS_READ):  # joined in C, not a feed per chunk
+        if not reader.feed(b"".join(chunks[index : index + _CHUNKS_READ])):
             break
     report = reader.report()
     tee.within = reader.within
