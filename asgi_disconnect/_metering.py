@@ -248,7 +248,7 @@ class MeteringMiddleware:
                 if state.usage_pending:
                     state.settle_usage(None)
                 return
-            if self._wants_text(tee, report, state.delivered_bytes):
+            if tee.log is not None and self._wants_text(tee, report, state.delivered_bytes):
                 if not tee.whole_in_memory():
                     self._queue(self._emit(scope, tee, state, reservation))
                     return
@@ -551,11 +551,11 @@ class _Tee:
         self.produced = 0
         self.first_event: float | None = None
         self.failure: BaseException | None = None
-        self.chunks: list[bytes] = []  # a JSON body, to read at the end
+        self.chunks: list[bytes] | None = None  # a JSON body, to read at the end
         self._json = False
         # Over _JSON_LIMIT: its first and last bytes only.
         self._head: bytes | None = None
-        self._tail = bytearray()
+        self._tail: bytearray | None = None
         # Seeing each message of the app right where DisconnectMiddleware logs it: an event
         # stream may then be left to its log (``log``) after its first events.
         self.direct = False
@@ -583,12 +583,16 @@ class _Tee:
                 if self.direct and meter.event_count >= _HEAD_EVENTS:
                     return self._to_log()
             elif self._json:
-                if self._head is None:
-                    self.chunks.append(body)
+                tail = self._tail
+                if tail is None:
+                    chunks = self.chunks
+                    if chunks is None:
+                        self.chunks = [body]
+                    else:
+                        chunks.append(body)
                     if self.produced > _JSON_LIMIT:
                         self._bound_json()
                 else:
-                    tail = self._tail
                     tail += body
                     if len(tail) > 2 * _JSON_TAIL:
                         del tail[: len(tail) - _JSON_TAIL]
@@ -681,8 +685,8 @@ class _Tee:
 
     def _bound_json(self) -> None:
         """The JSON body is too large to hold: keep its head and, from now on, its tail."""
-        body = b"".join(self.chunks)
-        self.chunks = []
+        body = b"".join(self.chunks or ())
+        self.chunks = None
         self._head = body[:_JSON_HEAD]
         self._tail = bytearray(body[-_JSON_TAIL:])
 
@@ -709,13 +713,14 @@ class _Tee:
                 self._read_end()
             return meter.report()
         if self._json:
-            if self._head is not None:
+            head, tail = self._head, self._tail
+            if head is not None and tail is not None:
                 report, self.recognized = _json_ends_report(
-                    self._head, bytes(self._tail[-_JSON_TAIL:]), self.provider
+                    head, bytes(tail[-_JSON_TAIL:]), self.provider
                 )
                 return report
             report, self.recognized = _json_report(
-                b"".join(self.chunks), self.provider, self.status_code
+                b"".join(self.chunks or ()), self.provider, self.status_code
             )
             return report
         return analyze(b"", self.provider)
