@@ -110,7 +110,7 @@ create index if not exists asgi_disconnect_pins_expiry on asgi_disconnect_pins (
 # One statement: the live binding, renewed; or a new one to ``provider`` if none lives.
 _PIN = f"""
 insert into asgi_disconnect_pins (principal, session_id, provider, expires_at)
-values (?1, ?2, ?3, {_NOW} + ?4)
+values (?, ?, ?, {_NOW} + ?)
 on conflict (principal, session_id) do update set
     provider = case when asgi_disconnect_pins.expires_at <= {_NOW}
                     then excluded.provider else asgi_disconnect_pins.provider end,
@@ -123,7 +123,7 @@ returning provider
 _CLAIM = f"""
 insert into asgi_disconnect_claims
     (principal, key, fingerprint, owner, process, status, lease_until, expires_at)
-values (?1, ?2, ?3, ?4, ?5, 'running', {_NOW} + ?6, {_NOW} + ?7)
+values (?, ?, ?, ?, ?, 'running', {_NOW} + ?, {_NOW} + ?)
 on conflict (principal, key) do update set
     fingerprint = excluded.fingerprint, owner = excluded.owner, process = excluded.process,
     status = 'running', lease_until = excluded.lease_until, expires_at = excluded.expires_at,
@@ -435,10 +435,10 @@ class SQLiteStore:
     def _read(self, generation_id: str, offset: int, limit: int) -> bytes:
         assert self._db is not None
         rows = self._db.execute(
-            "select start, data from asgi_disconnect_chunks where generation_id = ?1 and start >= "
+            "select start, data from asgi_disconnect_chunks where generation_id = ? and start >= "
             "coalesce((select max(start) from asgi_disconnect_chunks "
-            "where generation_id = ?1 and start <= ?2), 0) order by start",
-            (generation_id, offset),
+            "where generation_id = ? and start <= ?), 0) order by start",
+            (generation_id, generation_id, offset),
         )
         return join_from(rows, offset, limit)
 
