@@ -382,7 +382,7 @@ class ClientWriter:
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         self.send_started = loop.time()
         if self.lag_timer is None:
-            self.lag_timer = loop.call_later(self.max_lag_seconds / 2, self._check_lag)
+            self.lag_timer = loop.call_later(self.max_lag_seconds, self._check_lag)
 
     def _disarm(self) -> None:
         self.send_started = 0.0
@@ -393,8 +393,11 @@ class ClientWriter:
             return
         loop = asyncio.get_running_loop()
         started = self.send_started
-        if started and loop.time() - started > self.max_lag_seconds:
+        if not started:
+            return  # no send waits: the next one that does arms the timer again
+        # The send that waits now may have begun after the timer was set: its own deadline.
+        remaining = started + self.max_lag_seconds - loop.time()
+        if remaining <= 0:
             self.lost("lag")
             return
-        if started:
-            self.lag_timer = loop.call_later(self.max_lag_seconds / 2, self._check_lag)
+        self.lag_timer = loop.call_later(remaining, self._check_lag)

@@ -569,3 +569,59 @@ async def test_a_servers_own_send_behind_starlettes_error_middleware_binds_nothi
     assert binds_nothing(seen[0])
     assert not binds_nothing(seen[1])
     assert not binds_nothing(wrapper)
+
+
+async def test_the_lag_deadline_acts_at_max_lag_seconds_for_the_send_that_waits() -> None:
+    """A client that reads slowly once, then stops: the send that stalls is judged by its
+    own deadline, not by a timer set for the first slow send (which let it run 1.5 times
+    as long: 45 s for the default 30)."""
+    probe = Probe()
+    mw = wrap(sse_app(probe, chunks=10_000, delay=0.001), max_lag_seconds=3.0)
+    loop = asyncio.get_running_loop()
+    sent = 0
+    stalled_at: float | None = None
+    gone = asyncio.Event()
+    asked = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal sent, stalled_at
+        if message["type"] != "http.response.body":
+            return
+        sent += 1
+        if sent == 3:
+            await asyncio.sleep(0.5)  # slow once: the lag timer is set now
+        elif sent > 3:
+            stalled_at = loop.time()
+            await gone.wait()  # then it reads no more, with the socket open
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/cancel",
+        "raw_path": b"/cancel",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8000),
+    }
+    async with asyncio.timeout(10):
+        await mw(scope, receive, send)
+        await probe.cancelled.wait()
+    gone.set()
+    assert stalled_at is not None
+    waited = loop.time() - stalled_at
+    assert mw.counters.cancelled == 1
+    # At the deadline, not before it; a timer set at the slow send fired 4 s after.
+    assert 3.0 <= waited < 3.6, waited
