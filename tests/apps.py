@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import inspect
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
@@ -20,6 +21,24 @@ TESTER = "tester"
 
 def as_tester(scope: object) -> str:
     return TESTER
+
+
+async def eventually(
+    check: Callable[[], object], timeout: float = 5.0, what: str = "the condition"
+) -> None:
+    """Wait until ``check()`` (a value, or an awaitable of one) is true, polling; fail with
+    ``what`` after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        await asyncio.sleep(0.01)
 
 
 @dataclass

@@ -6,13 +6,28 @@ import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from asgi_disconnect.testing import FakeProvider
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+def provider(request: pytest.FixtureRequest) -> Iterator[FakeProvider]:
+    """A FakeProvider on a loopback port of its own: 8 tokens at once, unless the test or
+    its module says otherwise with ``@pytest.mark.provider(tokens=..., tokens_per_second=...)``."""
+    marker = request.node.get_closest_marker("provider")
+    options: dict[str, Any] = {"tokens": 8, "tokens_per_second": 0}
+    if marker is not None:
+        options.update(marker.kwargs)
+    with FakeProvider(**options) as fake:
+        yield fake
 
 
 @pytest.fixture(autouse=True)

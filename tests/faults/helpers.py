@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -10,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -86,14 +85,6 @@ def runs(path: Path) -> tuple[Counter[str], Counter[str]]:
 
 def headers(key: str) -> dict[str, str]:
     return {"authorization": "Bearer alice", "idempotency-key": key}
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what}")
-        await asyncio.sleep(0.05)
 
 
 async def claim_rows(url: str) -> list[asyncpg.Record]:

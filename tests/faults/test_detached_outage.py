@@ -11,8 +11,9 @@ import msgspec
 import pytest
 
 from asgi_disconnect.testing import request
+from tests.apps import eventually
 from tests.faults.cluster import Cluster
-from tests.faults.helpers import claim_rows, eventually, headers, serve
+from tests.faults.helpers import claim_rows, headers, serve
 
 pytestmark = [pytest.mark.anyio, pytest.mark.server]
 

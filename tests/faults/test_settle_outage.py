@@ -9,8 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.apps import eventually
 from tests.faults.cluster import Cluster
-from tests.faults.helpers import claim_rows, eventually, headers, runs, serve
+from tests.faults.helpers import claim_rows, headers, runs, serve
 
 pytestmark = [pytest.mark.anyio, pytest.mark.server]
 

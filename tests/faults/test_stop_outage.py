@@ -10,8 +10,9 @@ import httpx
 import pytest
 
 from asgi_disconnect.testing import request
+from tests.apps import eventually
 from tests.faults.cluster import Cluster
-from tests.faults.helpers import eventually, serve
+from tests.faults.helpers import serve
 
 pytestmark = [pytest.mark.anyio, pytest.mark.server]
 

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -231,14 +230,6 @@ def served(server: str, tmp: Path, *, bare: bool = False, **options: Any) -> Ite
                 context.__exit__(None, None, None)
         finally:
             provider.stop()
-
-
-async def eventually(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {timeout} s")
-        await asyncio.sleep(0.02)
 
 
 def body_json(

@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.server]
 
 SERVERS: list[ServerName] = ["uvicorn", "hypercorn", "hypercorn-h2", "granian"]
 TOKENS = 200
+pytestmark.append(pytest.mark.provider(tokens=TOKENS, tokens_per_second=400))
 DONE = b"data: [DONE]\n\n"
 
 
@@ -48,11 +49,6 @@ def cells() -> list[ParameterSet]:
         for placement in PLACEMENTS
     ]
 
-
-@pytest.fixture
-def provider() -> Iterator[FakeProvider]:
-    with FakeProvider(tokens=TOKENS, tokens_per_second=400) as fake:
-        yield fake
 
 
 @contextlib.contextmanager

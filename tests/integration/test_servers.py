@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
 
 import httpx
 import msgspec
@@ -13,7 +12,11 @@ import pytest
 from asgi_disconnect.testing import FakeProvider, request, run_server, stalled_request
 from tests.integration.gateway import make_gateway
 
-pytestmark = [pytest.mark.anyio, pytest.mark.server]
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.server,
+    pytest.mark.provider(tokens=400, tokens_per_second=200),
+]
 
 SERVERS = ["uvicorn", "hypercorn"]
 
@@ -22,11 +25,6 @@ SERVERS = ["uvicorn", "hypercorn"]
 def server(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
-
-@pytest.fixture
-def provider() -> Iterator[FakeProvider]:
-    with FakeProvider(tokens=400, tokens_per_second=200) as fake:
-        yield fake
 
 
 def tokens_in(body: bytes) -> int:

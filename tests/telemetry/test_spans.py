@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from starlette.routing import Route
 from asgi_disconnect import MemoryBackend, disconnect_policy, install
 from asgi_disconnect.testing import drive
 from asgi_disconnect.testing._driver import lifespan
+from tests.apps import eventually
 
 from .conftest import Telemetry
 
@@ -89,12 +90,6 @@ def installed(telemetry: Telemetry, app: Starlette | None = None, **options: Any
         **options,
     )
     return app
-
-
-async def eventually(check: Callable[[], object], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.01)
 
 
 async def test_a_stream_of_1000_chunks_is_one_span_with_the_genai_attributes(

@@ -30,11 +30,6 @@ CHUNK_KEYS = {"id", "object", "created", "model", "system_fingerprint", "choices
 CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason"}
 
 
-@pytest.fixture
-def provider() -> Iterator[FakeProvider]:
-    with FakeProvider(tokens=8, tokens_per_second=0) as running:
-        yield running
-
 
 @pytest.fixture
 def client() -> Iterator[httpx.Client]:

@@ -17,7 +17,7 @@ from asgi_disconnect.testing._socket_client import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Coroutine, Iterator
+    from collections.abc import Awaitable, Callable, Coroutine
     from typing import Any
 
 OPENAI = "/v1/chat/completions"
@@ -27,11 +27,6 @@ CHUNKED_BODY = (
 )
 DECODED = b"helloabcdefghijklmnopqrstuvwxyz"
 
-
-@pytest.fixture
-def provider() -> Iterator[FakeProvider]:
-    with FakeProvider(tokens=8, tokens_per_second=0) as running:
-        yield running
 
 
 def run(coroutine: Coroutine[Any, Any, ClientResult]) -> ClientResult:

@@ -33,7 +33,7 @@ from asgi_disconnect import (
     install,
 )
 from asgi_disconnect.testing import drive, lifespan
-from tests.apps import Probe, sse_app
+from tests.apps import Probe, eventually, sse_app
 
 pytestmark = pytest.mark.anyio
 
@@ -78,12 +78,6 @@ def request_then_wait(done: asyncio.Event) -> Callable[[], Awaitable[Message]]:
         return {"type": "http.disconnect"}
 
     return receive
-
-
-async def eventually(check: Callable[[], object], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.005)
 
 
 async def info_of(mw: DisconnectMiddleware, generation_id: str | None) -> dict[str, Any]:

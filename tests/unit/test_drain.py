@@ -5,7 +5,7 @@ suggests."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -24,7 +24,7 @@ from asgi_disconnect import (
 )
 from asgi_disconnect.testing import drive
 from asgi_disconnect.testing._driver import lifespan
-from tests.apps import as_tester
+from tests.apps import as_tester, eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -99,12 +99,6 @@ def frames(body: bytes) -> list[dict[str, Any]]:
         for block in body.split(b"\n\n")
         if block.startswith(b"event: error\n")
     ]
-
-
-async def eventually(check: Callable[[], object], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.01)
 
 
 async def test_while_draining_new_requests_get_503_and_work_in_flight_finishes() -> None:

@@ -15,6 +15,7 @@ from starlette.routing import Route
 from asgi_disconnect import MemoryBackend, UsageRecord, install, metered
 from asgi_disconnect.testing import drive
 from asgi_disconnect.testing._driver import lifespan
+from tests.apps import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -88,12 +89,6 @@ def app_with(records: list[UsageRecord], *sinks: Callable[[UsageRecord], object]
     )
     install(app, backend=MemoryBackend(), sinks=[records.append, *sinks])
     return app
-
-
-async def eventually(check: Callable[[], object], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.005)
 
 
 async def settle() -> None:

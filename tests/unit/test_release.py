@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -18,17 +18,12 @@ from asgi_disconnect._contract import RequestState
 from asgi_disconnect._log import Generation, Released
 from asgi_disconnect.testing import drive
 from asgi_disconnect.testing._driver import lifespan
+from tests.apps import eventually
 
 pytestmark = pytest.mark.anyio
 
 AUTH = ("authorization", "Bearer alice")
 KIB = 1024
-
-
-async def eventually(check: Callable[[], object], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.005)
 
 
 async def flushed(backend: DurableBackend) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +15,11 @@ from starlette.routing import Route
 
 from asgi_disconnect import MemoryBackend, UsageRecord, default_principal, install, metered
 from asgi_disconnect.testing import drive
+from tests.apps import eventually
 
 pytestmark = pytest.mark.anyio
 
 AUTH = ("authorization", "Bearer alice")
-
-
-async def eventually(check: Callable[[], object], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.005)
 
 
 class Runs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -24,6 +24,7 @@ from asgi_disconnect import (
 )
 from asgi_disconnect.testing import drive
 from asgi_disconnect.testing._driver import lifespan
+from tests.apps import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -64,12 +65,6 @@ def streaming_app(upstream: Upstream, events: int = 400, interval: float = 0.01)
         return StreamingResponse(body(), media_type="text/event-stream")
 
     return Starlette(routes=[Route("/report", report), Route("/chat", chat)])
-
-
-async def eventually(check: Callable[[], object], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.01)
 
 
 def decoded(result: Any) -> dict[str, Any]:
