@@ -19,7 +19,7 @@ import re
 import sys
 import types
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._aio import DONE, Resume, as_coroutine, join, shielded, step_as, wait_bounded
 from ._backends import MemoryBackend
@@ -457,6 +457,16 @@ def _check_asyncio() -> None:
         ) from None
 
 
+def _has_body(scope: Scope) -> bool:
+    """Whether the request says it has a body (a length above zero, or chunked)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return value.strip() not in (b"0", b"")
+        if name == b"transfer-encoding":
+            return True
+    return False
+
+
 class _Exchange:
     """One HTTP request: the receive reader, the app task and the client writer."""
 
@@ -470,6 +480,7 @@ class _Exchange:
         "delivery",
         "drained",
         "expect_trailers",
+        "gate",
         "generation",
         "head",
         "held",
@@ -483,6 +494,7 @@ class _Exchange:
         "observe",
         "passthrough",
         "receive",
+        "receive_error",
         "request_task",
         "scope",
         "send",
@@ -538,6 +550,11 @@ class _Exchange:
         self.woken = False
         self.wake_reason: str | None = None
         self.watcher: asyncio.Task[Any] | None = None
+        # What the server's receive raised (a body limit outside): the app's receive raises it.
+        self.receive_error: Exception | None = None
+        # Supervised, with a request body: resolved when the app first asks for a message
+        # or starts its response; the watcher reads nothing before.
+        self.gate: asyncio.Future[None] | None = None
         self.cancelled_by_policy = False
         self.interrupt_reason = "interrupted before it finished"
         # Metering's observer (RequestState.observe), taken at the response start.
@@ -819,6 +836,10 @@ class _Exchange:
     async def run_supervised(self) -> None:
         mw = self.mw
         self.request_task = self.watcher = asyncio.current_task()
+        if _has_body(self.scope):
+            # Its body is read when the app asks for it, not before: a body size limit
+            # outside applies the limit routing set (a route's own), not the app's.
+            self.gate = asyncio.get_running_loop().create_future()
         app_task = self.app_task = mw.supervisor.spawn(self.run_app())
         # A drain reaches it before its response starts too (then it answers 503).
         mw._running[self.state.generation_id] = self
@@ -883,8 +904,16 @@ class _Exchange:
         receive = self.receive
         self.watching = True
         try:
+            gate = self.gate
+            if gate is not None:
+                await gate
             while True:
-                message = await receive()
+                try:
+                    message = await receive()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    await self._refused(exc)
                 kind = message["type"]
                 if kind == "http.request":
                     inbox = self.inbox
@@ -920,6 +949,24 @@ class _Exchange:
             return self.wake_reason
         finally:
             self.watching = False
+
+    def _open_gate(self) -> None:
+        gate, self.gate = self.gate, None
+        if gate is not None and not gate.done():
+            gate.set_result(None)
+
+    async def _refused(self, exc: Exception) -> NoReturn:
+        """What is outside refused the request's body (a body size limit raises in its
+        ``receive``): the app's next receive raises it, as without this middleware, and
+        the watcher reads no more until the exchange is over."""
+        self.receive_error = exc
+        waiter = self.inbox_waiter
+        if waiter is not None:
+            self.inbox_waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+        await asyncio.get_running_loop().create_future()  # until the exchange wakes it
+        raise AssertionError("unreachable")
 
     def _wake(self, reason: str) -> None:
         """Stop the watcher's read of ``receive`` and tell it why."""
@@ -1078,6 +1125,9 @@ class _Exchange:
             self.app_ended(None)
 
     async def app_receive(self) -> Message:
+        gate = self.gate
+        if gate is not None:
+            self._open_gate()
         while True:
             inbox = self.inbox
             if inbox:
@@ -1088,6 +1138,8 @@ class _Exchange:
                     if not waiter.done():
                         waiter.set_result(None)
                 return message
+            if self.receive_error is not None:
+                raise self.receive_error
             if self._delivered() or (self.client_gone and not self.state.detached):
                 return _DISCONNECT
             if self.watcher is None:
@@ -1205,6 +1257,8 @@ class _Exchange:
             else:
                 await self._send_whole(message, len(body))
         elif kind == "http.response.start":
+            if self.gate is not None:
+                self._open_gate()  # the body is not asked for now: watch for the client
             observe = self.state.observe
             if observe is not None:
                 observe(message)
