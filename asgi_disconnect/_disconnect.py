@@ -21,6 +21,8 @@ import types
 from collections import deque
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import anyio
+
 from ._aio import DONE, Resume, as_coroutine, join, shielded, step_as, wait_bounded
 from ._backends import MemoryBackend
 from ._contract import (
@@ -217,7 +219,6 @@ class DisconnectMiddleware:
         if resume_prefix is not None:
             redact_tokens_in_access_logs()
         self._warned_no_lifespan = False
-        self._loop_checked = False
         # (method, path) -> whether that route can only cancel, learned after routing.
         self._cancel_only: dict[tuple[str, str], bool] = {}
         # Generation id -> its exchange, while it runs here: what a Stop reaches.
@@ -238,9 +239,10 @@ class DisconnectMiddleware:
             if exclude is not None and exclude.match(path):
                 await self.app(scope, receive, send)
                 return
-            if not self._loop_checked:
-                _check_asyncio()
-                self._loop_checked = True
+            try:  # each request: one app may serve asyncio, then trio
+                asyncio.get_running_loop()
+            except RuntimeError:
+                _not_asyncio()
             if not self._listeners_found:
                 self._find_listener(scope)
             state = scope.get(SCOPE_KEY)
@@ -338,6 +340,9 @@ class DisconnectMiddleware:
         if self.transport is not None:
             self.transport.close()
         await self.backend.aclose()
+        # Requests after the lifespan ended are served as before it began (one app used with
+        # and without a lifespan, as tests do): their work ends with them.
+        self.supervisor.stopping = False
 
     def _stop_admitting(self) -> None:
         self.supervisor.stopping = True
@@ -449,12 +454,24 @@ def _check_asyncio() -> None:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        import sniffio
+        _not_asyncio()
 
-        raise RuntimeError(
-            "asgi_disconnect runs on asyncio only, and this server or test client runs "
-            f"{sniffio.current_async_library()}; use anyio's asyncio backend"
-        ) from None
+
+def _not_asyncio() -> NoReturn:
+    import sniffio
+
+    raise RuntimeError(
+        "asgi_disconnect runs on asyncio only, and this server or test client runs "
+        f"{sniffio.current_async_library()}; use anyio's asyncio backend"
+    ) from None
+
+
+async def _teardown(app_task: asyncio.Task[Any]) -> None:
+    """Wait (up to the teardown timeout) for a cancelled app to run its finally blocks,
+    though the request is cancelled: an anyio cancel scope around it cancels every await
+    again until it returns."""
+    with anyio.CancelScope(shield=True):
+        await wait_bounded(app_task, _TEARDOWN_TIMEOUT)
 
 
 def _has_body(scope: Scope) -> bool:
@@ -502,6 +519,7 @@ class _Exchange:
         "state",
         "stopped",
         "taken_waiter",
+        "trailers_ended",
         "wake_reason",
         "watch",
         "watcher",
@@ -543,6 +561,7 @@ class _Exchange:
         self.client_gone = False
         self.body_ended = False
         self.expect_trailers = False
+        self.trailers_ended = False  # a trailers message without more_trailers went
         # None while the app runs, then "returned", "failed", "cancelled" or "interrupted";
         # written once, by app_ended.
         self.app_outcome: str | None = None
@@ -890,7 +909,7 @@ class _Exchange:
             if not self.mw.supervisor.started:
                 # Without the lifespan protocol the work ends with its request.
                 app_task.cancel()
-                await wait_bounded(app_task, _TEARDOWN_TIMEOUT)
+                await _teardown(app_task)
             return
         policy = self.mw.resolve(self.scope) if self.app_outcome is None else Policy.CANCEL
         if policy is Policy.DETACH and self.mw.owns_detached() and not self.mw.supervisor.stopping:
@@ -898,7 +917,7 @@ class _Exchange:
             return
         # Not detached: stop the app and let its finally blocks run before we return.
         app_task.cancel()
-        await wait_bounded(app_task, _TEARDOWN_TIMEOUT)
+        await _teardown(app_task)
 
     async def _watch(self) -> str:
         receive = self.receive
@@ -1112,6 +1131,12 @@ class _Exchange:
             await self.mw.app(self.scope, self.app_receive, send)
         except asyncio.CancelledError as exc:
             self.app_ended(exc)
+            task = asyncio.current_task()
+            if task is not None and not task.cancelling() and not self.state.detached:
+                # Nobody cancelled it: the app raised it itself. The server hears of it in
+                # the request's task, as without this middleware.
+                self.app_error = exc
+                return
             raise
         except BaseException as exc:
             self.app_ended(exc)
@@ -1365,6 +1390,10 @@ class _Exchange:
 
     async def _other(self, kind: str, message: Message) -> None:
         """Every other message keeps its place behind what was produced before it."""
+        if kind == "http.response.trailers":
+            if self.trailers_ended:
+                raise RuntimeError("ASGI message 'http.response.trailers' sent after the last ones")
+            self.trailers_ended = not message.get("more_trailers", False)
         generation = self.generation
         if generation is None:
             held = self.held

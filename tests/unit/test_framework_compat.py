@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import anyio
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -11,7 +13,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from asgi_disconnect import MemoryBackend, install
-from asgi_disconnect.testing import drive
+from asgi_disconnect.testing import drive, lifespan
+from tests.apps import Probe, sse_app
 
 pytestmark = pytest.mark.anyio
 
@@ -75,3 +78,141 @@ async def test_a_route_limit_above_the_apps_holds_on_the_first_request() -> None
     assert await statuses(app, [("/echo", 60)]) == [200]
 
 
+def teardown_app(events: list[str]) -> Starlette:
+    async def slow(request: Request) -> JSONResponse:
+        events.append("enter")
+        try:
+            await anyio.sleep(10)
+        finally:
+            # Async cleanup, as a dependency's teardown or a client's aclose() does.
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(0.2)
+            events.append("cleanup done")
+        return JSONResponse({})
+
+    return Starlette(routes=[Route("/slow", slow)])
+
+
+async def never_disconnects() -> dict[str, Any]:
+    await anyio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["bare", "installed"])
+@pytest.mark.parametrize("outer", ["anyio", "asyncio"])
+async def test_a_request_cancelled_from_outside_returns_after_the_apps_cleanup(
+    installed: bool, outer: str
+) -> None:
+    """README: a cancelled request returns only after the app's finally blocks ran. An
+    anyio cancel scope around the request cancels again at every await; so is the stack's
+    wait for the app."""
+    events: list[str] = []
+    app = teardown_app(events)
+    if installed:
+        install(app, backend=MemoryBackend())
+    started = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if not started.is_set():
+            started.set()
+            return {"type": "http.request", "body": b"", "more_body": False}
+        return await never_disconnects()
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/slow",
+        "raw_path": b"/slow",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8000),
+    }
+    if outer == "anyio":
+        with anyio.move_on_after(0.3):
+            await app(scope, receive, send)
+    else:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await app(scope, receive, send)
+    assert events == ["enter", "cleanup done"]
+
+
+async def test_requests_after_a_lifespan_ended_are_served_as_before_it_began() -> None:
+    """One module-level app used with ``with TestClient(app):`` and without: after the
+    lifespan's shutdown, requests are answered (their work ends with them), not 503."""
+    probe = Probe()
+    app = sse_app(probe, chunks=3, delay=0.001)
+    install(app, backend=MemoryBackend())
+    before = await drive(app, path="/cancel", headers=[("authorization", "Bearer t")])
+    async with lifespan(app):
+        during = await drive(app, path="/cancel", headers=[("authorization", "Bearer t")])
+    after = await drive(app, path="/cancel", headers=[("authorization", "Bearer t")])
+    assert [before.status, during.status, after.status] == [200, 200, 200]
+    assert after.body == before.body
+    assert after.body.count(b"data: ") == 3
+    # And a second lifespan starts as the first did.
+    async with lifespan(app):
+        again = await drive(app, path="/cancel", headers=[("authorization", "Bearer t")])
+    assert again.status == 200
+
+
+async def raises_cancelled(request: Request) -> JSONResponse:
+    raise asyncio.CancelledError("the app's own")
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["bare", "installed"])
+async def test_a_cancelled_error_the_app_raises_itself_reaches_the_server(
+    installed: bool,
+) -> None:
+    app = Starlette(routes=[Route("/boom", raises_cancelled)])
+    if installed:
+        install(app, backend=MemoryBackend())
+    for _ in range(2):  # supervised, then as the route runs once it is known
+        task = asyncio.ensure_future(drive(app, path="/boom"))
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.shield(task)
+        assert task.cancelled()
+
+
+async def trailers_twice(scope: Any, receive: Any, send: Any) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "trailers": True,
+            "headers": [(b"content-type", b"text/event-stream")],
+        }
+    )
+    await send({"type": "http.response.body", "body": b"data: x\n\n"})
+    await send({"type": "http.response.trailers", "headers": [], "more_trailers": False})
+    await send({"type": "http.response.trailers", "headers": [], "more_trailers": False})
+
+
+async def test_trailers_after_the_last_trailers_are_an_error() -> None:
+    from asgi_disconnect import DisconnectMiddleware
+
+    mw = DisconnectMiddleware(trailers_twice, backend=MemoryBackend())
+    with pytest.raises(RuntimeError, match=r"'http\.response\.trailers' sent after the last"):
+        await drive(mw, path="/")
+
+
+def test_an_app_served_on_asyncio_then_trio_says_it_runs_on_asyncio_only() -> None:
+    pytest.importorskip("trio")
+    from starlette.testclient import TestClient
+
+    app = teardown_app([])
+    install(app, backend=MemoryBackend())
+    with TestClient(app) as client:  # asyncio
+        assert client.get("/missing").status_code == 404
+    with pytest.raises(
+        RuntimeError, match="asyncio only, and this server or test client runs trio"
+    ):
+        TestClient(app, backend="trio").get("/missing")
