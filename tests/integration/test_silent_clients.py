@@ -18,11 +18,11 @@ import pytest
 
 from asgi_disconnect import connect, estimate_tokens
 from asgi_disconnect.sse import SSEDecoder
+from tests.apps import eventually
 
 from .silent_app import (
     H2Reader,
     body_json,
-    eventually,
     served,
     served_from_the_command_line,
     whole_events,

@@ -8,6 +8,7 @@ from typing import Any
 import anyio
 import pytest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -216,3 +217,22 @@ def test_an_app_served_on_asyncio_then_trio_says_it_runs_on_asyncio_only() -> No
         RuntimeError, match="asyncio only, and this server or test client runs trio"
     ):
         TestClient(app, backend="trio").get("/missing")
+
+
+async def catching(request: Request) -> JSONResponse:
+    try:
+        await request.body()
+    except HTTPException as exc:
+        return JSONResponse({"caught": exc.status_code})
+    return JSONResponse({"caught": None})
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["bare", "installed"])
+async def test_an_endpoint_catches_the_body_limit_itself(installed: bool) -> None:
+    app = Starlette(routes=[Route("/catch", catching, methods=["POST"])], max_body_size=25)
+    if installed:
+        install(app, backend=MemoryBackend())
+    for _ in range(2):  # supervised, then inline
+        result = await drive(app, method="POST", path="/catch", body=b"x" * 30)
+        assert result.status == 200
+        assert result.body == b'{"caught":413}'
