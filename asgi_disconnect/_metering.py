@@ -380,47 +380,20 @@ class MeteringMiddleware:
             f"answer(s) of {model}"
         )
 
-    def _build(
+    def _counts(
         self,
-        scope: Scope,
         tee: _Tee,
         state: RequestState | None,
         report: Any,
+        text: str,
         estimate: int | None,
-    ) -> UsageRecord:
-        """The record; ``estimate``: the output tokens counted already (off the loop)."""
-        produced = tee.produced
-        delivered = state.delivered_bytes if state is not None else tee.produced
-        delivered = min(delivered, produced)
-        failure = tee.failure
-        cancelled = isinstance(failure, asyncio.CancelledError)
-        outcome = _failed_outcome(tee, state)
-        if outcome is None:
-            if report.error is not None:
-                outcome = "error"
-            elif report.terminal_marker_seen:
-                outcome = "complete"
-            else:
-                outcome = "truncated"
-        error_type = report.error_type
-        if error_type is None and failure is not None and not cancelled:
-            error_type = getattr(failure, "error_type", None) or type(failure).__name__
-        upstream = state.upstream_usage if state is not None else None
-        if upstream is not None and report.usage_source != "provider":
-            # Asked of the provider for the record, kept from the client (open_stream).
-            report = msgspec.structs.replace(
-                report,
-                input_tokens=upstream.input_tokens,
-                output_tokens=upstream.output_tokens,
-                cache_read_tokens=upstream.cache_read_tokens,
-                reasoning_tokens=upstream.reasoning_tokens,
-                usage_source="provider",
-            )
+        notes: list[str],
+    ) -> tuple[int | None, int | None, str]:
+        """(input tokens, output tokens, their source): the provider's, else estimated from
+        the text produced and the prompt sent upstream (how, in ``notes``); a complete
+        answer with the provider's counts teaches the calibration."""
         input_tokens, output_tokens = report.input_tokens, report.output_tokens
         usage_source = report.usage_source
-        # A stream left to its log has its text only if it was read whole.
-        text = report.text if tee.log is None or tee.within is not None else ""
-        notes: list[str] = []
         if usage_source == "provider" and output_tokens and text and report.terminal_marker_seen:
             self.calibration.learn(
                 report.model, len(text), output_tokens - (report.reasoning_tokens or 0)
@@ -445,13 +418,39 @@ class MeteringMiddleware:
                 usage_source = "estimated"
                 if how not in notes:
                     notes.append(how)
-        if output_tokens is None and tee.log is not None and tee.within is None:
-            notes.append("the stream's text could not be read back from the store")
-        skipped = getattr(report, "skipped_events", 0)
-        if skipped:
-            notes.append(f"{skipped} event(s) over the meter's window were not read")
-        if tee.bounded and usage_source == "none":
-            notes.append("a JSON body over 4 MiB, read by its ends: no usage there")
+        return input_tokens, output_tokens, usage_source
+
+    def _build(
+        self,
+        scope: Scope,
+        tee: _Tee,
+        state: RequestState | None,
+        report: Any,
+        estimate: int | None,
+    ) -> UsageRecord:
+        """The record; ``estimate``: the output tokens counted already (off the loop)."""
+        produced = tee.produced
+        delivered = state.delivered_bytes if state is not None else tee.produced
+        delivered = min(delivered, produced)
+        outcome, error_type = _outcome(tee, state, report)
+        upstream = state.upstream_usage if state is not None else None
+        if upstream is not None and report.usage_source != "provider":
+            # Asked of the provider for the record, kept from the client (open_stream).
+            report = msgspec.structs.replace(
+                report,
+                input_tokens=upstream.input_tokens,
+                output_tokens=upstream.output_tokens,
+                cache_read_tokens=upstream.cache_read_tokens,
+                reasoning_tokens=upstream.reasoning_tokens,
+                usage_source="provider",
+            )
+        # A stream left to its log has its text only if it was read whole.
+        text = report.text if tee.log is None or tee.within is not None else ""
+        notes: list[str] = []
+        input_tokens, output_tokens, usage_source = self._counts(
+            tee, state, report, text, estimate, notes
+        )
+        _unread(tee, report, output_tokens, usage_source, notes)
         delivered_tokens = output_tokens
         if output_tokens is not None and delivered < produced:
             # Scale the count by the share of the output text that reached the client.
@@ -576,49 +575,61 @@ class _Tee:
             if meter is not None:
                 meter.feed(body)
                 if self.first_event is None and meter.event_count:
-                    self.first_event = time.monotonic() - self.started
-                    state = self.state
-                    if state is not None and state.marks is not None:
-                        state.note("first_event")
+                    self._first_event()
                 if self.direct and meter.event_count >= _HEAD_EVENTS:
                     return self._to_log()
             elif self._json:
-                tail = self._tail
-                if tail is None:
-                    chunks = self.chunks
-                    if chunks is None:
-                        self.chunks = [body]
-                    else:
-                        chunks.append(body)
-                    if self.produced > _JSON_LIMIT:
-                        self._bound_json()
-                else:
-                    tail += body
-                    if len(tail) > 2 * _JSON_TAIL:
-                        del tail[: len(tail) - _JSON_TAIL]
+                self._json_body(body)
         elif kind == "http.response.start":
-            self.status_code = message["status"]
-            mark = self.mark = _route_mark(self.scope)
-            if mark is False:
-                self._step_aside()
-                return None
-            if isinstance(mark, str):
-                self.provider = mark
-            for name, value in message.get("headers", ()):
-                if name == b"content-type":  # ASGI header names are lower case
-                    content_type = bytes(value).lower()
-                    if content_type.startswith(b"text/event-stream"):
-                        self.is_event_stream = True
-                        self.meter = StreamMeter(self.provider, marks=not self.direct)
-                        if self.state is not None:
-                            # DisconnectMiddleware ends the generation by it.
-                            self.state.stream_ending = self.ending
-                    elif content_type.startswith(b"application/json"):
-                        self._json = True
-                    break
-            if mark is None and not self.is_event_stream and not self._json:
-                self._step_aside()  # neither an event stream nor JSON: not an LLM response
+            self._start(message)
         return None
+
+    def _first_event(self) -> None:
+        self.first_event = time.monotonic() - self.started
+        state = self.state
+        if state is not None and state.marks is not None:
+            state.note("first_event")
+
+    def _json_body(self, body: bytes) -> None:
+        """Hold a JSON body's message; past _JSON_LIMIT, its first and last bytes only."""
+        tail = self._tail
+        if tail is None:
+            chunks = self.chunks
+            if chunks is None:
+                self.chunks = [body]
+            else:
+                chunks.append(body)
+            if self.produced > _JSON_LIMIT:
+                self._bound_json()
+        else:
+            tail += body
+            if len(tail) > 2 * _JSON_TAIL:
+                del tail[: len(tail) - _JSON_TAIL]
+
+    def _start(self, message: Message) -> None:
+        """The response starts: what @metered says, and whether it is an event stream or
+        JSON (anything else is no LLM response: metering steps aside)."""
+        self.status_code = message["status"]
+        mark = self.mark = _route_mark(self.scope)
+        if mark is False:
+            self._step_aside()
+            return
+        if isinstance(mark, str):
+            self.provider = mark
+        for name, value in message.get("headers", ()):
+            if name == b"content-type":  # ASGI header names are lower case
+                content_type = bytes(value).lower()
+                if content_type.startswith(b"text/event-stream"):
+                    self.is_event_stream = True
+                    self.meter = StreamMeter(self.provider, marks=not self.direct)
+                    if self.state is not None:
+                        # DisconnectMiddleware ends the generation by it.
+                        self.state.stream_ending = self.ending
+                elif content_type.startswith(b"application/json"):
+                    self._json = True
+                break
+        if mark is None and not self.is_event_stream and not self._json:
+            self._step_aside()
 
     def _to_log(self) -> bool:
         """Leave the rest of the stream to the generation log, if there is one."""
@@ -965,26 +976,27 @@ class _JsonUsage(msgspec.Struct, frozen=True, gc=False):
     skipped_events: int = 0
 
 
-def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple[Any, bool]:
-    """Usage from a non-streamed JSON response of any of the supported APIs, and whether
-    the body is one (a known shape, or a ``usage`` member, or, with an error ``status``,
-    a provider's error object: ``{"error": {"type" | "message" | "status": ...}}``)."""
-    try:
-        payload = _JSON_BODY.decode(body)
-    except msgspec.DecodeError:  # not JSON, or not an object
-        return analyze(b"", provider), False
-    usage = payload.usage
+_JSON_FORMATS = {"chat.completion": "openai_chat", "response": "openai_responses"}
+
+
+def _json_counts(payload: _JsonBody) -> tuple[int | None, int | None]:
+    """(input, output) tokens of a JSON answer's ``usage`` (or Gemini's ``usageMetadata``)."""
     input_tokens = output_tokens = None
+    usage = payload.usage
     if type(usage) is dict:
         input_tokens = _count(usage, "prompt_tokens", "input_tokens")
         output_tokens = _count(usage, "completion_tokens", "output_tokens")
     meta = payload.usageMetadata
-    if type(meta) is dict:  # Gemini's
+    if type(meta) is dict:
         if input_tokens is None:
             input_tokens = _count(meta, "promptTokenCount")
         if output_tokens is None:
             output_tokens = _count(meta, "candidatesTokenCount")
-    error = payload.error if type(payload.error) is dict else None
+    return input_tokens, output_tokens
+
+
+def _json_finish(payload: _JsonBody) -> str | None:
+    """The first choice's ``finish_reason``, else ``stop_reason``, else ``status``."""
     choices = payload.choices
     finish = None
     if type(choices) is list and choices and type(choices[0]) is dict:
@@ -993,24 +1005,39 @@ def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple
         finish = _text(payload.stop_reason)
     if not finish and payload.status is not None:
         finish = _text(payload.status)
-    if payload.object == "chat.completion":
-        fmt: str | None = "openai_chat"
-    elif payload.object == "response":
-        fmt = "openai_responses"
-    elif payload.type == "message":
-        fmt = "anthropic_messages"
-    elif payload.candidates is not msgspec.UNSET:
-        fmt = "gemini"
-    else:
-        fmt = provider
+    return finish
+
+
+def _json_error_type(error: dict[str, Any]) -> str | None:
+    # OpenAI and Anthropic say "type"; Gemini (Google's APIs) "status", then "code".
+    error_type = _text(error.get("type")) or _text(error.get("status"))
+    if error_type is None and isinstance(error.get("code"), str | int):
+        error_type = str(error["code"])
+    return error_type
+
+
+def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple[Any, bool]:
+    """Usage from a non-streamed JSON response of any of the supported APIs, and whether
+    the body is one (a known shape, or a ``usage`` member, or, with an error ``status``,
+    a provider's error object: ``{"error": {"type" | "message" | "status": ...}}``)."""
+    try:
+        payload = _JSON_BODY.decode(body)
+    except msgspec.DecodeError:  # not JSON, or not an object
+        return analyze(b"", provider), False
+    input_tokens, output_tokens = _json_counts(payload)
+    error = payload.error if type(payload.error) is dict else None
+    kind = payload.object
+    fmt = _JSON_FORMATS.get(kind) if type(kind) is str else None  # any JSON may be there
+    if fmt is None:
+        if payload.type == "message":
+            fmt = "anthropic_messages"
+        elif payload.candidates is not msgspec.UNSET:
+            fmt = "gemini"
+        else:
+            fmt = provider
     # One rule with DisconnectMiddleware's: a provider's refusal passed on is one too.
     recognized = fmt is not provider or llm_shape(payload, status)
-    error_type = None
-    if error is not None:
-        # OpenAI and Anthropic say "type"; Gemini (Google's APIs) "status", then "code".
-        error_type = _text(error.get("type")) or _text(error.get("status"))
-        if error_type is None and isinstance(error.get("code"), str | int):
-            error_type = str(error["code"])
+    error_type = None if error is None else _json_error_type(error)
     report = _JsonUsage(
         fmt,
         # A whole JSON document is a whole answer (an embeddings batch reports no output).
@@ -1020,7 +1047,7 @@ def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple
         input_tokens,
         output_tokens,
         "provider" if output_tokens is not None else "none",
-        finish,
+        _json_finish(payload),
         _text(payload.model),
     )
     return report, recognized
@@ -1243,6 +1270,37 @@ def _record(
         delivery,
         note,
     )
+
+
+def _outcome(tee: _Tee, state: RequestState | None, report: Any) -> tuple[str, str | None]:
+    """How the request ended, and its error type if it failed."""
+    failure = tee.failure
+    outcome = _failed_outcome(tee, state)
+    if outcome is None:
+        if report.error is not None:
+            outcome = "error"
+        elif report.terminal_marker_seen:
+            outcome = "complete"
+        else:
+            outcome = "truncated"
+    error_type = report.error_type
+    cancelled = isinstance(failure, asyncio.CancelledError)
+    if error_type is None and failure is not None and not cancelled:
+        error_type = getattr(failure, "error_type", None) or type(failure).__name__
+    return outcome, error_type
+
+
+def _unread(
+    tee: _Tee, report: Any, output_tokens: int | None, usage_source: str, notes: list[str]
+) -> None:
+    """Say in ``notes`` what metering could not read."""
+    if output_tokens is None and tee.log is not None and tee.within is None:
+        notes.append("the stream's text could not be read back from the store")
+    skipped = getattr(report, "skipped_events", 0)
+    if skipped:
+        notes.append(f"{skipped} event(s) over the meter's window were not read")
+    if tee.bounded and usage_source == "none":
+        notes.append("a JSON body over 4 MiB, read by its ends: no usage there")
 
 
 def _failed_outcome(tee: _Tee, state: RequestState | None) -> str | None:
