@@ -363,22 +363,30 @@ def anthropic_messages(state: StreamState, event: ServerSentEvent) -> None:
             state.text.append(delta.text)
             state.text_chars += len(delta.text)
     elif kind == "message_start":
-        start = message.message
-        if start is not None:
-            if start.model:
-                state.model = start.model
-            # message_start's output_tokens is a placeholder; message_delta has the count.
-            if start.usage is not None:
-                _read_anthropic_usage(state, start.usage, output=False)
+        _anthropic_start(state, message.message)
     elif kind == "message_delta":
-        if message.delta is not None and message.delta.stop_reason:
-            state.finish_reason = message.delta.stop_reason
-        if message.usage is not None:
-            _read_anthropic_usage(state, message.usage, output=True)
+        _anthropic_delta(state, message)
     elif kind == "message_stop":
         state.terminal = True
     elif kind == "error" or message.type == "error":
         state.set_error(message.error if message.error else None, data)
+
+
+def _anthropic_delta(state: StreamState, message: _AnthropicEvent) -> None:
+    if message.delta is not None and message.delta.stop_reason:
+        state.finish_reason = message.delta.stop_reason
+    if message.usage is not None:
+        _read_anthropic_usage(state, message.usage, output=True)
+
+
+def _anthropic_start(state: StreamState, start: _AnthropicMessage | None) -> None:
+    if start is None:
+        return
+    if start.model:
+        state.model = start.model
+    # message_start's output_tokens is a placeholder; message_delta has the count.
+    if start.usage is not None:
+        _read_anthropic_usage(state, start.usage, output=False)
 
 
 def _read_anthropic_usage(state: StreamState, usage: _AnthropicUsage, *, output: bool) -> None:
@@ -457,18 +465,21 @@ def gemini(state: StreamState, event: ServerSentEvent) -> None:
     if feedback is not None and feedback.block_reason:
         state.finish_reason = feedback.block_reason
         state.terminal = True
-    usage = chunk.usage_metadata
-    if usage is not None:
-        if usage.prompt_token_count is not None:
-            state.input_tokens = usage.prompt_token_count
-        if usage.candidates_token_count is not None or usage.thoughts_token_count is not None:
-            # Thinking tokens are billed as output, as OpenAI's completion_tokens count them.
-            thoughts = usage.thoughts_token_count or 0
-            state.output_tokens = (usage.candidates_token_count or 0) + thoughts
-        if usage.thoughts_token_count is not None:
-            state.reasoning_tokens = usage.thoughts_token_count
-        if usage.cached_content_token_count is not None:
-            state.cache_read_tokens = usage.cached_content_token_count
+    if chunk.usage_metadata is not None:
+        _read_gemini_usage(state, chunk.usage_metadata)
+
+
+def _read_gemini_usage(state: StreamState, usage: _GeminiUsage) -> None:
+    if usage.prompt_token_count is not None:
+        state.input_tokens = usage.prompt_token_count
+    if usage.candidates_token_count is not None or usage.thoughts_token_count is not None:
+        # Thinking tokens are billed as output, as OpenAI's completion_tokens count them.
+        thoughts = usage.thoughts_token_count or 0
+        state.output_tokens = (usage.candidates_token_count or 0) + thoughts
+    if usage.thoughts_token_count is not None:
+        state.reasoning_tokens = usage.thoughts_token_count
+    if usage.cached_content_token_count is not None:
+        state.cache_read_tokens = usage.cached_content_token_count
 
 
 Adapter = Callable[[StreamState, ServerSentEvent], None]

@@ -165,22 +165,15 @@ class DisconnectMiddleware:
         resume_token_ttl: float = 300.0,
         client_timeout: float | None = 10.0,
     ) -> None:
-        if client_timeout is not None and (
-            isinstance(client_timeout, bool) or not client_timeout >= 1
-        ):
-            raise ValueError("client_timeout must be at least 1 second, or None")
-        if keep_alive is not None and not keep_alive > 0:
-            raise ValueError("keep_alive must be a positive number of seconds, or None")
-        if max_lag_bytes <= 0:
-            raise ValueError("max_lag_bytes must be positive")
-        if max_lag_seconds <= 0:
-            raise ValueError("max_lag_seconds must be positive")
-        if shutdown_timeout < 0:
-            raise ValueError("shutdown_timeout must not be negative")
-        if resume_prefix is not None and (
-            not resume_prefix.startswith("/") or resume_prefix.endswith("/")
-        ):
-            raise ValueError("resume_prefix must start with '/' and not end with '/'")
+        _check_options(
+            client_timeout=client_timeout,
+            keep_alive=keep_alive,
+            max_lag_bytes=max_lag_bytes,
+            max_lag_seconds=max_lag_seconds,
+            shutdown_timeout=shutdown_timeout,
+            resume_prefix=resume_prefix,
+            resume_token_ttl=resume_token_ttl,
+        )
         self.app = app
         if backend is None:
             logger.warning(
@@ -211,8 +204,6 @@ class DisconnectMiddleware:
         self.counters = Counters()
         self.supervisor = Supervisor()
         self.lifecycle: Lifecycle | None = None
-        if not resume_token_ttl > 0:
-            raise ValueError("resume_token_ttl must be a positive number of seconds")
         self._resume = ResumeEndpoints(
             backend, self.principal, secret=resume_secret, token_ttl=resume_token_ttl
         )
@@ -448,6 +439,35 @@ def _ends(kind: str, message: Message) -> bool:
     if kind == "http.response.pathsend":
         return True
     return kind == "http.response.trailers" and not message.get("more_trailers", False)
+
+
+def _check_options(
+    *,
+    client_timeout: float | None,
+    keep_alive: float | None,
+    max_lag_bytes: int,
+    max_lag_seconds: float,
+    shutdown_timeout: float,
+    resume_prefix: str | None,
+    resume_token_ttl: float,
+) -> None:
+    """Refuse DisconnectMiddleware's options that cannot work, saying which and why."""
+    if client_timeout is not None and (isinstance(client_timeout, bool) or not client_timeout >= 1):
+        raise ValueError("client_timeout must be at least 1 second, or None")
+    if keep_alive is not None and not keep_alive > 0:
+        raise ValueError("keep_alive must be a positive number of seconds, or None")
+    if max_lag_bytes <= 0:
+        raise ValueError("max_lag_bytes must be positive")
+    if max_lag_seconds <= 0:
+        raise ValueError("max_lag_seconds must be positive")
+    if shutdown_timeout < 0:
+        raise ValueError("shutdown_timeout must not be negative")
+    if resume_prefix is not None and (
+        not resume_prefix.startswith("/") or resume_prefix.endswith("/")
+    ):
+        raise ValueError("resume_prefix must start with '/' and not end with '/'")
+    if not resume_token_ttl > 0:
+        raise ValueError("resume_token_ttl must be a positive number of seconds")
 
 
 def _check_asyncio() -> None:

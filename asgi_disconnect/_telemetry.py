@@ -355,25 +355,43 @@ class TelemetryMiddleware:
         elif last and generation_status == "interrupted":
             error_type = "interrupted"
         if span.is_recording():
-            status = generation.status_code if generation is not None else state.response_status
-            attributes = self._attributes(state, record, genai, status, generation_status, last)
-            if error_type is not None:
-                attributes["error.type"] = error_type
-            route = _route(scope)
-            if route:
-                attributes["http.route"] = route
-                if span.name == scope["method"]:  # the request span, named before routing
-                    span.update_name(_span_name(scope))
-            span.set_attributes(attributes)
+            self._record_on(
+                span, scope, state, failure, record, genai, error_type, generation_status, last
+            )
             for name, at in marks:
                 span.add_event("asgi_disconnect." + name, timestamp=at)
-            if error_type is not None or (status or 0) >= 500:
-                if failure is not None and not isinstance(failure, asyncio.CancelledError):
-                    span.record_exception(failure)
-                span.set_status(self._error, error_type or f"HTTP {status}")
         span.end(end_time)
         if last:
             self._count_end(state, _route(scope), record, genai)
+
+    def _record_on(
+        self,
+        span: Any,
+        scope: Scope,
+        state: RequestState,
+        failure: BaseException | None,
+        record: UsageRecord | None,
+        genai: dict[str, Any] | None,
+        error_type: str | None,
+        generation_status: str | None,
+        last: bool,
+    ) -> None:
+        """A recorded span's attributes, name and status."""
+        generation = state.generation
+        status = generation.status_code if generation is not None else state.response_status
+        attributes = self._attributes(state, record, genai, status, generation_status, last)
+        if error_type is not None:
+            attributes["error.type"] = error_type
+        route = _route(scope)
+        if route:
+            attributes["http.route"] = route
+            if span.name == scope["method"]:  # the request span, named before routing
+                span.update_name(_span_name(scope))
+        span.set_attributes(attributes)
+        if error_type is not None or (status or 0) >= 500:
+            if failure is not None and not isinstance(failure, asyncio.CancelledError):
+                span.record_exception(failure)
+            span.set_status(self._error, error_type or f"HTTP {status}")
 
     @staticmethod
     def _attributes(

@@ -56,44 +56,55 @@ def connect(
         sqlite = SQLiteStore(rest[1:], url=url, poll_interval=poll_interval or 0.05)
         return DurableBackend(sqlite, **options)
     if scheme in ("postgresql", "postgres"):
-        from ._postgres import PostgresStore, mask_url
-
-        parts = urlsplit(url)
-        if parts.netloc.count("@") > 1:
-            # asyncpg splits at the first '@', so the rest of the password would be the host.
-            raise ValueError(
-                f"percent-encode '@' in the user name or password as %40, in {mask_url(url)!r}"
-            )
-        try:
-            bad_port = parts.port == 0
-        except ValueError:  # not a number, or past 65535
-            bad_port = True
-        if bad_port:
-            raise ValueError(f"the port must be a number in 1-65535, in {mask_url(url)!r}")
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        ours = {k: v for k, v in query if k in ("schema", "connect_timeout")}
-        schema = schema or ours.get("schema") or "public"
-        if connect_timeout is None:
-            try:
-                connect_timeout = float(ours.get("connect_timeout") or 5.0)
-            except ValueError:
-                raise ValueError(
-                    f"connect_timeout must be a number of seconds, in {mask_url(url)!r}"
-                ) from None
-        # Ours, not asyncpg's, which would send them to the server as settings.
-        dsn = urlunsplit(
-            parts._replace(query=urlencode([(k, v) for k, v in query if k not in ours]))
-        )
-        postgres = PostgresStore(
-            None if pool is not None else dsn,
-            pool=pool,
-            schema=schema,
-            poll_interval=poll_interval or 1.0,
-            connect_timeout=connect_timeout,
-            url=None if pool is not None else url,
-        )
-        return DurableBackend(postgres, **options)
+        return _postgres_backend(url, pool, schema, poll_interval, connect_timeout, options)
     raise ValueError(
         f"unknown backend URL scheme {scheme!r} in {url!r}; "
         "use 'memory://', 'sqlite:///path.db' or 'postgresql://...'"
     )
+
+
+def _postgres_backend(
+    url: str,
+    pool: asyncpg.Pool | None,
+    schema: str | None,
+    poll_interval: float | None,
+    connect_timeout: float | None,
+    options: dict[str, Any],
+) -> Backend:
+    """A PostgreSQL backend for ``url``: its own options (``schema``, ``connect_timeout``)
+    taken from the query, the rest left to asyncpg."""
+    from ._postgres import PostgresStore, mask_url
+
+    parts = urlsplit(url)
+    if parts.netloc.count("@") > 1:
+        # asyncpg splits at the first '@', so the rest of the password would be the host.
+        raise ValueError(
+            f"percent-encode '@' in the user name or password as %40, in {mask_url(url)!r}"
+        )
+    try:
+        bad_port = parts.port == 0
+    except ValueError:  # not a number, or past 65535
+        bad_port = True
+    if bad_port:
+        raise ValueError(f"the port must be a number in 1-65535, in {mask_url(url)!r}")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in ("schema", "connect_timeout")}
+    schema = schema or ours.get("schema") or "public"
+    if connect_timeout is None:
+        try:
+            connect_timeout = float(ours.get("connect_timeout") or 5.0)
+        except ValueError:
+            raise ValueError(
+                f"connect_timeout must be a number of seconds, in {mask_url(url)!r}"
+            ) from None
+    # Ours, not asyncpg's, which would send them to the server as settings.
+    dsn = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k not in ours])))
+    postgres = PostgresStore(
+        None if pool is not None else dsn,
+        pool=pool,
+        schema=schema,
+        poll_interval=poll_interval or 1.0,
+        connect_timeout=connect_timeout,
+        url=None if pool is not None else url,
+    )
+    return DurableBackend(postgres, **options)
