@@ -297,67 +297,72 @@ class PostgresStore:
     # -- writes ---------------------------------------------------------------------
 
     async def flush(self, batch: FlushBatch) -> None:
-        sql = self._sql
         async with self.pool.acquire(timeout=10) as conn, conn.transaction():
             if batch.created:
-                await conn.execute(
-                    sql["create"],
-                    [r[0] for r in batch.created],
-                    [r[1] for r in batch.created],
-                    [r[4] for r in batch.created],
-                    [r[5] for r in batch.created],
-                    [r[2] for r in batch.created],
-                    [r[3] for r in batch.created],
-                    batch.owner,
-                    batch.lease,
-                    [r[6] for r in batch.created],
-                )
+                await self._created(conn, batch)
             if batch.chunks:
-                await conn.execute(
-                    sql["chunks"],
-                    [r[0] for r in batch.chunks],
-                    [r[1] for r in batch.chunks],
-                    [r[2] for r in batch.chunks],
-                    [r[3] for r in batch.chunks],
-                )
-                ends: dict[str, int] = {}
-                for generation_id, start, data, _ in batch.chunks:
-                    ends[generation_id] = start + len(data)
-                await conn.execute(sql["sizes"], list(ends), list(ends.values()))
+                await self._chunks(conn, batch)
             if batch.changed:
-                await conn.execute(
-                    sql["changed"],
-                    [r[0] for r in batch.changed],
-                    [r[1] for r in batch.changed],
-                    [r[2] for r in batch.changed],
-                    batch.owner,
-                )
+                await self._changed(conn, batch)
             if batch.usage:
                 await conn.executemany(
-                    sql["usage"], [(*row[:7], row[7].decode(), row[8]) for row in batch.usage]
+                    self._sql["usage"],
+                    [(*row[:7], row[7].decode(), row[8]) for row in batch.usage],
                 )
             if batch.finished:
-                await conn.execute(
-                    sql["finished"],
-                    [r[0] for r in batch.finished],
-                    [r[1] for r in batch.finished],
-                    [r[2] for r in batch.finished],
-                    [r[3] for r in batch.finished],
-                    batch.owner,
-                    batch.ttl,
-                    [r[4] for r in batch.finished],
-                )
-            touched = sorted(batch.touched())
-            payload: list[str] = []
-            size = 0
-            for generation_id in touched:
-                if size + len(generation_id) + 1 > _NOTIFY_PAYLOAD:
-                    await conn.execute("select pg_notify($1, $2)", self.channel, ",".join(payload))
-                    payload, size = [], 0
-                payload.append(generation_id)
-                size += len(generation_id) + 1
-            if payload:
-                await conn.execute("select pg_notify($1, $2)", self.channel, ",".join(payload))
+                await self._finished(conn, batch)
+            for payload in _notifications(sorted(batch.touched())):
+                await conn.execute("select pg_notify($1, $2)", self.channel, payload)
+
+    async def _created(self, conn: asyncpg.Connection, batch: FlushBatch) -> None:
+        rows = batch.created
+        await conn.execute(
+            self._sql["create"],
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            [r[4] for r in rows],
+            [r[5] for r in rows],
+            [r[2] for r in rows],
+            [r[3] for r in rows],
+            batch.owner,
+            batch.lease,
+            [r[6] for r in rows],
+        )
+
+    async def _chunks(self, conn: asyncpg.Connection, batch: FlushBatch) -> None:
+        rows = batch.chunks
+        await conn.execute(
+            self._sql["chunks"],
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            [r[2] for r in rows],
+            [r[3] for r in rows],
+        )
+        ends = {generation_id: start + len(data) for generation_id, start, data, _ in rows}
+        await conn.execute(self._sql["sizes"], list(ends), list(ends.values()))
+
+    async def _changed(self, conn: asyncpg.Connection, batch: FlushBatch) -> None:
+        rows = batch.changed
+        await conn.execute(
+            self._sql["changed"],
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            [r[2] for r in rows],
+            batch.owner,
+        )
+
+    async def _finished(self, conn: asyncpg.Connection, batch: FlushBatch) -> None:
+        rows = batch.finished
+        await conn.execute(
+            self._sql["finished"],
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            [r[2] for r in rows],
+            [r[3] for r in rows],
+            batch.owner,
+            batch.ttl,
+            [r[4] for r in rows],
+        )
 
     async def heartbeat(self, owner: str, lease: float) -> None:
         await self.pool.execute(self._sql["heartbeat"], owner, lease)
@@ -684,3 +689,19 @@ def _statements(t: str) -> dict[str, str]:
                 (select max(start) from {t}chunks where generation_id = $1 and start <= $2), 0)
             order by start limit $3""",
     }
+
+
+def _notifications(touched: list[str]) -> list[str]:
+    """The generation ids, comma-joined into as few NOTIFY payloads as fit the limit."""
+    payloads: list[str] = []
+    payload: list[str] = []
+    size = 0
+    for generation_id in touched:
+        if size + len(generation_id) + 1 > _NOTIFY_PAYLOAD and payload:
+            payloads.append(",".join(payload))
+            payload, size = [], 0
+        payload.append(generation_id)
+        size += len(generation_id) + 1
+    if payload:
+        payloads.append(",".join(payload))
+    return payloads
