@@ -380,33 +380,14 @@ class ResumeEndpoints:
     async def _stream(
         self, scope: Scope, receive: Receive, send: Send, info: GenerationInfo
     ) -> None:
-        offset = _parse_offset(scope.get("query_string", b""))
-        last_event_id = _header(scope, b"last-event-id")
         # An SSE client (an EventSource, httpx-sse: Accept: text/event-stream) gets whole
         # events with ids; any other client the bytes from the offset, as they are.
+        last_event_id = _header(scope, b"last-event-id")
         events = is_event_stream(info.content_type) and bool(
             last_event_id or "text/event-stream" in (_header(scope, b"accept") or "")
         )
-        if last_event_id and events:
-            # An EventSource reconnecting: our ids are the byte offsets where events end.
-            offset = _parse_number(last_event_id)
-            if offset is None:
-                await send_problem(
-                    send,
-                    400,
-                    "invalid-last-event-id",
-                    "Invalid Last-Event-ID",
-                    "Last-Event-ID must be an id this endpoint sent: a number of bytes.",
-                )
-                return
+        offset = await _asked_offset(scope, send, last_event_id if events else None)
         if offset is None:
-            await send_problem(
-                send,
-                400,
-                "invalid-offset",
-                "Invalid Offset",
-                "offset must be a non-negative integer number of bytes.",
-            )
             return
         if (
             offset > info.size
@@ -436,22 +417,7 @@ class ResumeEndpoints:
                 await send({"type": "http.response.start", "status": 204, "headers": []})
                 await send({"type": "http.response.body", "body": b""})
                 return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (
-                        b"content-type",
-                        (info.content_type or "application/octet-stream").encode("latin-1"),
-                    ),
-                    (b"cache-control", b"no-cache"),
-                    (b"x-accel-buffering", b"no"),
-                    (b"x-generation-id", info.id.encode()),
-                    (b"x-generation-offset", str(offset).encode()),
-                ],
-            }
-        )
+        await send(_stream_start(info, offset))
         if scope["method"] == "HEAD":
             await send({"type": "http.response.body", "body": b""})
             return
@@ -463,35 +429,94 @@ class ResumeEndpoints:
                 tg.cancel_scope.cancel()
 
             tg.start_soon(watch_disconnect)
-            chunks = self.backend.follow(info.id, offset)
             framer = _EventIds(offset) if events else None
-            try:
-                async for data in chunks:
-                    if framer is not None:
-                        data = framer.feed(data)
-                        if not data:
-                            continue
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
-            finally:
-                # A client that left stops following now, not when the iterator is collected.
-                aclose = getattr(chunks, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-            final = await self.backend.get(info.id)
-            tail = framer.rest() if framer is not None else b""
-            if (
-                final is not None
-                and final.status in _ENDINGS
-                and final.error != STOPPED
-                and final.error != DRAINED
-                and is_event_stream(final.content_type)
-            ):
-                code, message = _ENDINGS[final.status]
-                tail += error_frame(
-                    final.id, code, message, event_id=final.size if events else None
-                )
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            await self._relay(info, offset, framer, send)
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": await self._end(info, framer),
+                    "more_body": False,
+                }
+            )
             tg.cancel_scope.cancel()
+
+    async def _relay(
+        self, info: GenerationInfo, offset: int, framer: _EventIds | None, send: Send
+    ) -> None:
+        """The generation's bytes from ``offset`` (as whole events, with ``framer``), live
+        until it ends."""
+        chunks = self.backend.follow(info.id, offset)
+        try:
+            async for data in chunks:
+                if framer is not None:
+                    data = framer.feed(data)
+                    if not data:
+                        continue
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        finally:
+            # A client that left stops following now, not when the iterator is collected.
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _end(self, info: GenerationInfo, framer: _EventIds | None) -> bytes:
+        """What follows the generation's last bytes: the rest of the framer's last event,
+        and an error frame if it did not complete (not for a Stop or a drain, which wrote
+        their own)."""
+        final = await self.backend.get(info.id)
+        tail = framer.rest() if framer is not None else b""
+        if (
+            final is not None
+            and final.status in _ENDINGS
+            and final.error != STOPPED
+            and final.error != DRAINED
+            and is_event_stream(final.content_type)
+        ):
+            code, message = _ENDINGS[final.status]
+            tail += error_frame(
+                final.id, code, message, event_id=final.size if framer is not None else None
+            )
+        return tail
+
+
+async def _asked_offset(scope: Scope, send: Send, last_event_id: str | None) -> int | None:
+    """The offset the client asks for (``?offset=``, or an EventSource's Last-Event-ID: our
+    ids are the byte offsets where events end); None once a 400 answered a bad one."""
+    if last_event_id:
+        offset = _parse_number(last_event_id)
+        if offset is None:
+            await send_problem(
+                send,
+                400,
+                "invalid-last-event-id",
+                "Invalid Last-Event-ID",
+                "Last-Event-ID must be an id this endpoint sent: a number of bytes.",
+            )
+        return offset
+    offset = _parse_offset(scope.get("query_string", b""))
+    if offset is None:
+        await send_problem(
+            send,
+            400,
+            "invalid-offset",
+            "Invalid Offset",
+            "offset must be a non-negative integer number of bytes.",
+        )
+    return offset
+
+
+def _stream_start(info: GenerationInfo, offset: int) -> Message:
+    return {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [
+            (b"content-type", (info.content_type or "application/octet-stream").encode("latin-1")),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+            (b"x-generation-id", info.id.encode()),
+            (b"x-generation-offset", str(offset).encode()),
+        ],
+    }
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
