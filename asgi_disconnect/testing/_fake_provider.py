@@ -1108,25 +1108,9 @@ class FakeProvider:
         fault = plan.fault
         if fault is not None and fault.kind == "status":
             return await self._refuse(connection, record, fault.status, keep_alive)
-        start = asyncio.get_running_loop().time() + plan.first_token_delay
-        error = False
-        for index in range(plan.tokens + 1):
-            await _sleep_until(start + index * plan.seconds_per_token)
-            error = index == plan.error_after
-            if error:
-                if fault is not None and fault.kind == "error":
-                    record._apply_fault()
-                break
-            if index == plan.fault_at and fault is not None and fault.kind in ("reset", "stall"):
-                record._apply_fault()
-                if fault.kind == "reset":
-                    record._end()
-                    await connection.reset()
-                    return False
-                await _stall(connection, fault.seconds)
-                start += fault.seconds
-            if index < plan.tokens:
-                record._count(generated=1)
+        error = await _generate_whole(connection, record, plan)
+        if error is None:  # the connection was reset
+            return False
         status, payload = fmt.error_response() if error else (200, fmt.complete(plan))
         body = _dumps(payload)
         mangled = fault is not None and fault.kind in ("garbage", "truncate") and not error
@@ -1171,3 +1155,29 @@ async def _stall(connection: _Connection, seconds: float) -> None:
         await connection.gone.wait()
         raise _ClientGone("the client closed a stalled stream")
     await asyncio.sleep(seconds)
+
+
+async def _generate_whole(
+    connection: _Connection, record: ProviderRequest, plan: _Plan
+) -> bool | None:
+    """Make a non-streamed answer's tokens at the plan's pace: True if the plan ends it in
+    an error, False if it completes, None if a fault reset the connection."""
+    fault = plan.fault
+    start = asyncio.get_running_loop().time() + plan.first_token_delay
+    for index in range(plan.tokens + 1):
+        await _sleep_until(start + index * plan.seconds_per_token)
+        if index == plan.error_after:
+            if fault is not None and fault.kind == "error":
+                record._apply_fault()
+            return True
+        if index == plan.fault_at and fault is not None and fault.kind in ("reset", "stall"):
+            record._apply_fault()
+            if fault.kind == "reset":
+                record._end()
+                await connection.reset()
+                return None
+            await _stall(connection, fault.seconds)
+            start += fault.seconds
+        if index < plan.tokens:
+            record._count(generated=1)
+    return False
