@@ -820,15 +820,11 @@ class _Exchange:
                 self._start_watcher()
                 await Resume(app, waiting_on)
         except asyncio.CancelledError as exc:
-            task = asyncio.current_task()
-            assert task is not None
-            if not self.cancelled_by_policy or task.uncancel() > 0:
-                self.cancelled_by_policy = False
-                failure = exc
-                self.app_ended(exc)
-                raise
             failure = exc
+            ours = self._cancelled_by_us()  # before app_ended, which reads whose it was
             self.app_ended(exc)
+            if not ours:
+                raise
         except BaseException as exc:
             failure = exc
             self.app_ended(exc)
@@ -841,25 +837,41 @@ class _Exchange:
                 self.app_ended(None)
         finally:
             writer = self.writer
-            if writer is None:
-                watcher = self.watcher
-                if watcher is not None and not watcher.done() and not state.detached:
-                    watcher.cancel()
-                if self.delivery is _DONE and self.app_outcome == "returned":
-                    self._end(_ENDING_DELIVERED)  # a response sent in one piece
-                else:
-                    self._finish()
-            else:
-                try:
-                    await self._join_writer()
-                finally:
-                    watcher = self.watcher
-                    if watcher is not None and not watcher.done() and not state.detached:
-                        watcher.cancel()
-                    self._finish()
+            await self._end_inline(writer)
         refused = writer.error if writer is not None else None
         if refused is not None and (failure is None or self.cancelled_by_policy):
             raise refused
+
+    def _cancelled_by_us(self) -> bool:
+        """Whether the cancellation that reached the app was our policy's alone (then the
+        request returns); one from outside goes on."""
+        task = asyncio.current_task()
+        assert task is not None
+        if not self.cancelled_by_policy or task.uncancel() > 0:
+            self.cancelled_by_policy = False
+            return False
+        return True
+
+    async def _end_inline(self, writer: ClientWriter | None) -> None:
+        """The inline app is over: stop watching, and end the exchange once the writer
+        handed over what it still holds."""
+        if writer is None:
+            self._stop_watcher()
+            if self.delivery is _DONE and self.app_outcome == "returned":
+                self._end(_ENDING_DELIVERED)  # a response sent in one piece
+            else:
+                self._finish()
+            return
+        try:
+            await self._join_writer()
+        finally:
+            self._stop_watcher()
+            self._finish()
+
+    def _stop_watcher(self) -> None:
+        watcher = self.watcher
+        if watcher is not None and not watcher.done() and not self.state.detached:
+            watcher.cancel()
 
     def _start_watcher(self) -> None:
         if self.watcher is None and not self._delivered():
@@ -1240,90 +1252,100 @@ class _Exchange:
                 else:
                     writer.wait_for(sending, waiting_on, message, size, len(chunks))
                 return
-            generation = self.generation
-            if generation is None:
-                if self.held is not None:
-                    if not await self._judge(message, body, more_body):
-                        return
-                    # It is one: this message goes on below, behind the held ones.
-                    generation, writer = self.generation, self.writer
-                elif self.passthrough:
-                    await self._pass_body(message, size, more_body)
-                    return
-                if generation is None:
-                    raise RuntimeError(
-                        "ASGI message 'http.response.body' sent before 'http.response.start'"
-                    )
-            if body:
-                if len(body) <= MESSAGE_BYTES:
-                    generation.append(body)
-                else:
-                    # In pieces, so the client's progress through it shows.
-                    for start in range(0, len(body), MESSAGE_BYTES):
-                        generation.append(body[start : start + MESSAGE_BYTES])
-            if not more_body:
-                if not generation.running:
-                    raise RuntimeError(
-                        "ASGI message 'http.response.body' sent after the response ended"
-                    )
-                ending = self.state.stream_ending
-                end = None if ending is None else ending()
-                if generation.status_code >= 400:
-                    # An error answer (an upstream's refusal passed on) is whole, not a
-                    # completed generation.
-                    generation.finish(
-                        _STATUS_FAILED, f"the response was HTTP {generation.status_code}"
-                    )
-                elif end is None or end == "complete":
-                    generation.finish(_STATUS_COMPLETE)
-                else:
-                    self._ended_short(generation, end)
-                self.body_ended = True
-            if self.client_gone:
-                return
-            if writer is not None:
-                if writer.direct:
-                    writer.pump()
-                elif generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
-                    # The client reads, slower than the app produces: the app waits for it,
-                    # so memory stays bounded. A client that stops is lagging (the writer's
-                    # deadline), and then the policy applies.
-                    await writer.room(self.mw.max_lag_bytes // 2)
-            elif more_body:
-                if body:
-                    self._open_writer().pump()
-            elif (
-                len(generation.chunks) > 1
-                or self.expect_trailers
-                or generation.error
-                or len(body) > MESSAGE_BYTES
-            ):
-                self._open_writer().pump()
-            else:
-                await self._send_whole(message, len(body))
+            await self._body(message, body, more_body, writer)
         elif kind == "http.response.start":
-            if self.gate is not None:
-                self._open_gate()  # the body is not asked for now: watch for the client
-            observe = self.state.observe
-            if observe is not None:
-                observe(message)
-                # It may step aside now: a response it does not meter.
-                self.observe = self.state.observe
-            if self.generation is not None or self.held is not None or self.passthrough:
-                raise RuntimeError("ASGI message 'http.response.start' sent twice")
-            if message.get("trailers"):
-                self.expect_trailers = True
-            kind_of = self._kind_of(message)
-            if kind_of == "json":
-                self.held = message  # its body decides
-                return
-            if kind_of == "other":
-                self.passthrough = True
-                await self._pass(message)
-                return
-            await self._open_generation(message)
+            await self._response_start(message)
         else:
             await self._other(kind, message)
+
+    async def _body(
+        self, message: Message, body: bytes, more_body: bool, writer: ClientWriter | None
+    ) -> None:
+        """A body message off the hot path: the first ones, a held JSON's, the last one,
+        one over MESSAGE_BYTES, one while the client lags."""
+        generation = self.generation
+        if generation is None:
+            if self.held is not None:
+                if not await self._judge(message, body, more_body):
+                    return
+                # It is one: this message goes on below, behind the held ones.
+                generation, writer = self.generation, self.writer
+            elif self.passthrough:
+                await self._pass_body(message, len(body), more_body)
+                return
+            if generation is None:
+                raise RuntimeError(
+                    "ASGI message 'http.response.body' sent before 'http.response.start'"
+                )
+        if body:
+            if len(body) <= MESSAGE_BYTES:
+                generation.append(body)
+            else:
+                # In pieces, so the client's progress through it shows.
+                for start in range(0, len(body), MESSAGE_BYTES):
+                    generation.append(body[start : start + MESSAGE_BYTES])
+        if not more_body:
+            self._end_body(generation)
+        if self.client_gone:
+            return
+        if writer is not None:
+            if writer.direct:
+                writer.pump()
+            elif generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
+                # The client reads, slower than the app produces: the app waits for it,
+                # so memory stays bounded. A client that stops is lagging (the writer's
+                # deadline), and then the policy applies.
+                await writer.room(self.mw.max_lag_bytes // 2)
+        elif more_body:
+            if body:
+                self._open_writer().pump()
+        elif (
+            len(generation.chunks) > 1
+            or self.expect_trailers
+            or generation.error
+            or len(body) > MESSAGE_BYTES
+        ):
+            self._open_writer().pump()
+        else:
+            await self._send_whole(message, len(body))
+
+    def _end_body(self, generation: Generation) -> None:
+        """The app's last body message: the generation ends as its protocol says."""
+        if not generation.running:
+            raise RuntimeError("ASGI message 'http.response.body' sent after the response ended")
+        ending = self.state.stream_ending
+        end = None if ending is None else ending()
+        if generation.status_code >= 400:
+            # An error answer (an upstream's refusal passed on) is whole, not a completed
+            # generation.
+            generation.finish(_STATUS_FAILED, f"the response was HTTP {generation.status_code}")
+        elif end is None or end == "complete":
+            generation.finish(_STATUS_COMPLETE)
+        else:
+            self._ended_short(generation, end)
+        self.body_ended = True
+
+    async def _response_start(self, message: Message) -> None:
+        if self.gate is not None:
+            self._open_gate()  # the body is not asked for now: watch for the client
+        observe = self.state.observe
+        if observe is not None:
+            observe(message)
+            # It may step aside now: a response it does not meter.
+            self.observe = self.state.observe
+        if self.generation is not None or self.held is not None or self.passthrough:
+            raise RuntimeError("ASGI message 'http.response.start' sent twice")
+        if message.get("trailers"):
+            self.expect_trailers = True
+        kind_of = self._kind_of(message)
+        if kind_of == "json":
+            self.held = message  # its body decides
+            return
+        if kind_of == "other":
+            self.passthrough = True
+            await self._pass(message)
+            return
+        await self._open_generation(message)
 
     def _kind_of(self, message: Message) -> str:
         """``generation`` when this request is one (its route chose a policy or metering,
