@@ -242,15 +242,7 @@ class ClientWriter:
             limit = count
         ended = not generation.running
         if index < limit:
-            chunks = generation.chunks
-            # Coalesce what waits, up to a size that still shows the client's progress.
-            size = len(chunks[index])
-            end = index + 1
-            while end < limit and size + len(chunks[end]) <= MESSAGE_BYTES:
-                size += len(chunks[end])
-                end += 1
-            limit = end
-            body = chunks[index] if end == index + 1 else b"".join(chunks[index:end])
+            body, limit = _coalesced(generation.chunks, index, limit)
             final = ended and limit == count and self.end_response and not self.end_sent
             if final and extras and not extras[0][1]:
                 final = False
@@ -401,3 +393,15 @@ class ClientWriter:
             self.lost("lag")
             return
         self.lag_timer = loop.call_later(remaining, self._check_lag)
+
+
+def _coalesced(chunks: list[bytes], index: int, limit: int) -> tuple[bytes, int]:
+    """The chunks from ``index`` that wait, as one body up to a size that still shows the
+    client's progress (MESSAGE_BYTES), and the index after them."""
+    size = len(chunks[index])
+    end = index + 1
+    while end < limit and size + len(chunks[end]) <= MESSAGE_BYTES:
+        size += len(chunks[end])
+        end += 1
+    body = chunks[index] if end == index + 1 else b"".join(chunks[index:end])
+    return body, end
