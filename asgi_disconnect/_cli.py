@@ -166,11 +166,7 @@ async def _generations(args: argparse.Namespace, backend_url: str) -> int:
     await backend.open()
     try:
         if args.action == "list":
-            recent = getattr(backend, "recent", None)
-            if recent is None:
-                print(f"{backend_url} cannot list generations", file=sys.stderr)
-                return 2
-            for info in await recent(args.limit, args.status):
+            for info in await backend.recent(args.limit, args.status):
                 print(
                     f"{info.id}  {info.status:<11} {info.policy or '-':<7} "
                     f"{'detached' if info.detached else '        '} {info.size:>9} B  "

@@ -363,6 +363,12 @@ class Reservations(Protocol):
 class ClaimStore(Protocol):
     """The claim half of a backend. Leases and expiry are judged by the store's clock."""
 
+    async def open(self) -> None:
+        """Connect and prepare the store; idempotent. Raises ``BackendUnavailable``."""
+
+    async def aclose(self) -> None:
+        """Persist what is pending and release connections; idempotent."""
+
     async def claim(
         self, principal: str, key: str, fingerprint: bytes, *, owner: str, lease: float, ttl: float
     ) -> Claim:
@@ -402,11 +408,10 @@ class Backend(ClaimStore, Protocol):
 
     url: str
 
-    async def open(self) -> None:
-        """Connect and prepare the store; idempotent. Raises ``BackendUnavailable``."""
-
-    async def aclose(self) -> None:
-        """Persist what is pending and release connections; idempotent."""
+    @property
+    def flush_interval(self) -> float | None:
+        """At most how long a durable store is behind the process that produces a
+        generation; None for one that is not shared (memory)."""
 
     def register(self, generation: Generation) -> None:
         """Take a new generation; called once, without awaiting, at response start."""
@@ -419,6 +424,12 @@ class Backend(ClaimStore, Protocol):
 
     def follow(self, generation_id: str, offset: int) -> AsyncIterator[bytes]:
         """Its bytes from ``offset``, then live until it ends."""
+
+    def produces(self, generation_id: str) -> bool:
+        """Whether this process produces the generation (its live log is the truth)."""
+
+    async def recent(self, limit: int = 20, status: str | None = None) -> list[GenerationInfo]:
+        """The newest generations (``status``: only those)."""
 
     def record_usage(self, record: UsageRecord) -> None:
         """Store a usage record (a sink for :class:`MeteringMiddleware`); never awaits."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import parse_qsl
 
 from ._aio import shielded
-from ._contract import SCOPE_KEY, RequestState, default_principal, request_state
+from ._contract import SCOPE_KEY, Backend, RequestState, default_principal, request_state
 from ._errors import AsgiDisconnectError
 from ._lifecycle import lifecycle_of
 from ._problem import problem_body, send_problem
@@ -448,7 +448,7 @@ class IdempotencyMiddleware:
         self.replay_headers = _REPLAY_HEADERS | {h.lower() for h in replay_headers}
         self.store_below = 600 if store_server_errors else 500
         # Attaching tails the live generation: the backend must be able to read it.
-        self.attach = in_flight == "attach" and hasattr(backend, "follow")
+        self.attach = in_flight == "attach" and isinstance(backend, Backend)
         self._noting: set[asyncio.Task[None]] = set()
         self.pending_settles = PendingSettles(
             backend, max_count=max_pending_settles, max_bytes=max_pending_bytes
@@ -485,14 +485,13 @@ class IdempotencyMiddleware:
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         lifecycle, owner = lifecycle_of(scope)
-        backend: Any = self.backend
         lifecycle.register(
             "IdempotencyMiddleware",
             unique=True,
-            startup=getattr(backend, "open", None),
+            startup=self.backend.open,
             # Before the backend closes: settles the store refused get a last chance.
             flush=self.pending_settles.drain,
-            close=getattr(backend, "aclose", None) or _nothing,
+            close=self.backend.aclose,
         )
         await lifecycle.run(owner, self.app, scope, receive, send)
 
@@ -889,7 +888,3 @@ def _replay_receive(body: bytes, receive: Receive) -> Receive:
 
 
 _INCOMPLETE = RuntimeError("the response did not reach its end")
-
-
-def _nothing() -> None:
-    pass

@@ -240,7 +240,7 @@ class ResumeEndpoints:
             )
             return
         owner = await self.backend.principal_of(generation_id)
-        flush_interval = getattr(self.backend, "flush_interval", None)
+        flush_interval = self.backend.flush_interval
         if owner is None and flush_interval is not None:
             # Made a moment ago on another replica, it may not be stored yet: wait for the
             # owner's next flush before saying it does not exist.
@@ -326,8 +326,7 @@ class ResumeEndpoints:
 
     def _produced_here(self, generation_id: str) -> bool:
         """Whether this process produces the generation, so its live size is the truth."""
-        produces = getattr(self.backend, "produces", None)
-        return produces is not None and bool(produces(generation_id))
+        return self.backend.produces(generation_id)
 
     async def _event_start(self, generation_id: str, offset: int) -> int:
         """Where the event that byte ``offset`` falls in starts: the end of the last event

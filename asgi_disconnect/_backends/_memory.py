@@ -74,6 +74,9 @@ class MemoryBackend:
     is never evicted while its lease is live.
     """
 
+    # Not shared with another process: nothing of it is ever behind.
+    flush_interval: float | None = None
+
     url = "memory://"
     on_cancel: Callable[[str], bool] | None = None
 
