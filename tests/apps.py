@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -21,6 +22,43 @@ TESTER = "tester"
 
 def as_tester(scope: object) -> str:
     return TESTER
+
+
+def http_scope(
+    path: str, *, method: str = "GET", headers: list[tuple[bytes, bytes]] | None = None
+) -> dict[str, Any]:
+    """An HTTP scope as a server makes one (ASGI spec 2.3, HTTP/1.1, loopback), for tests
+    that call an app with a ``receive`` and a ``send`` of their own."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers or [],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+
+
+def request_then_disconnect(gone: asyncio.Event) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """A ``receive``: the request (no body), then ``http.disconnect`` once ``gone`` is set."""
+    asked = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    return receive
 
 
 async def eventually(

@@ -22,7 +22,7 @@ from starlette.routing import Route, Router
 from asgi_disconnect import DisconnectMiddleware, MemoryBackend, Status, disconnect_policy
 from asgi_disconnect.testing import drive, lifespan
 from asgi_disconnect.upstream import track
-from tests.apps import Probe, as_tester, sse_app
+from tests.apps import Probe, as_tester, http_scope, request_then_disconnect, sse_app
 
 pytestmark = pytest.mark.anyio
 
@@ -581,15 +581,6 @@ async def test_the_lag_deadline_acts_at_max_lag_seconds_for_the_send_that_waits(
     sent = 0
     stalled_at: float | None = None
     gone = asyncio.Event()
-    asked = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal asked
-        if not asked:
-            asked = True
-            return {"type": "http.request", "body": b"", "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         nonlocal sent, stalled_at
@@ -602,20 +593,8 @@ async def test_the_lag_deadline_acts_at_max_lag_seconds_for_the_send_that_waits(
             stalled_at = loop.time()
             await gone.wait()  # then it reads no more, with the socket open
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": "/cancel",
-        "raw_path": b"/cancel",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [],
-        "client": ("127.0.0.1", 5000),
-        "server": ("127.0.0.1", 8000),
-    }
+    scope = http_scope("/cancel")
+    receive = request_then_disconnect(gone)
     async with asyncio.timeout(10):
         await mw(scope, receive, send)
         await probe.cancelled.wait()

@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from asgi_disconnect import MemoryBackend, install
 from asgi_disconnect.testing import drive, lifespan
-from tests.apps import Probe, sse_app
+from tests.apps import Probe, http_scope, request_then_disconnect, sse_app
 
 pytestmark = pytest.mark.anyio
 
@@ -94,11 +94,6 @@ def teardown_app(events: list[str]) -> Starlette:
     return Starlette(routes=[Route("/slow", slow)])
 
 
-async def never_disconnects() -> dict[str, Any]:
-    await anyio.sleep_forever()
-    raise AssertionError("unreachable")
-
-
 @pytest.mark.parametrize("installed", [False, True], ids=["bare", "installed"])
 @pytest.mark.parametrize("outer", ["anyio", "asyncio"])
 async def test_a_request_cancelled_from_outside_returns_after_the_apps_cleanup(
@@ -111,31 +106,12 @@ async def test_a_request_cancelled_from_outside_returns_after_the_apps_cleanup(
     app = teardown_app(events)
     if installed:
         install(app, backend=MemoryBackend())
-    started = asyncio.Event()
-
-    async def receive() -> dict[str, Any]:
-        if not started.is_set():
-            started.set()
-            return {"type": "http.request", "body": b"", "more_body": False}
-        return await never_disconnects()
+    receive = request_then_disconnect(asyncio.Event())  # the client never leaves
 
     async def send(message: dict[str, Any]) -> None:
         pass
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": "/slow",
-        "raw_path": b"/slow",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [],
-        "client": ("127.0.0.1", 5000),
-        "server": ("127.0.0.1", 8000),
-    }
+    scope = http_scope("/slow")
     if outer == "anyio":
         with anyio.move_on_after(0.3):
             await app(scope, receive, send)

@@ -18,7 +18,7 @@ from asgi_disconnect._contract import RequestState
 from asgi_disconnect._log import Generation, Released
 from asgi_disconnect.testing import drive
 from asgi_disconnect.testing._driver import lifespan
-from tests.apps import eventually
+from tests.apps import eventually, http_scope, request_then_disconnect
 
 pytestmark = pytest.mark.anyio
 
@@ -196,33 +196,12 @@ async def held_per_stream(app: Starlette, streams: int, gate: Gate) -> int:
 
     async def one() -> None:
         finished = asyncio.Event()
-        first = True
-
-        async def receive() -> dict[str, object]:
-            nonlocal first
-            if first:
-                first = False
-                return {"type": "http.request", "body": b"", "more_body": False}
-            await finished.wait()
-            return {"type": "http.disconnect"}
+        receive = request_then_disconnect(finished)
 
         async def send(message: dict[str, object]) -> None:
             pass  # a client that keeps up and keeps nothing
 
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": "GET",
-            "scheme": "http",
-            "path": "/stream",
-            "raw_path": b"/stream",
-            "root_path": "",
-            "query_string": b"",
-            "headers": [(b"authorization", b"Bearer alice")],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 2),
-        }
+        scope = http_scope("/stream", headers=[(b"authorization", b"Bearer alice")])
         await app(scope, receive, send)
         finished.set()
 

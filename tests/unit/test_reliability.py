@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from asgi_disconnect import MemoryBackend, UsageRecord, default_principal, install, metered
 from asgi_disconnect.testing import drive
-from tests.apps import eventually
+from tests.apps import eventually, http_scope, request_then_disconnect
 
 pytestmark = pytest.mark.anyio
 
@@ -198,15 +198,7 @@ async def test_a_client_that_reads_slowly_gets_everything_and_memory_stays_bound
     received = 0
     lead = 0
     done = asyncio.Event()
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": b"", "more_body": False}
-        await done.wait()
-        return {"type": "http.disconnect"}
+    receive = request_then_disconnect(done)
 
     async def steady_send(message: dict[str, Any]) -> None:
         nonlocal received, lead
@@ -218,21 +210,7 @@ async def test_a_client_that_reads_slowly_gets_everything_and_memory_stays_bound
             if not message.get("more_body", False):
                 done.set()
 
-    scope: dict[str, Any] = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": "/flood",
-        "raw_path": b"/flood",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [AUTH_RAW],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 2),
-        "state": {},
-    }
+    scope = http_scope("/flood", headers=[AUTH_RAW])
     async with asyncio.timeout(30):
         await mw(scope, receive, steady_send)
     assert received == total * len(chunk)
