@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ._records import GenerationInfo, Status
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 __all__ = ["Generation", "Released", "now"]
 
@@ -216,6 +216,28 @@ class Generation:
             after = chunk
             end = start
         return low
+
+    def read_back(self, start: int, end: int) -> bytes:
+        """Bytes ``start`` to ``end``, found from the log's end (a few chunks back, no
+        offsets built); ``start`` must be at or past ``base``."""
+        chunks = self.chunks
+        index = len(chunks)
+        offset = self.size
+        parts = []
+        while index > self.base_index and offset > start:
+            index -= 1
+            chunk = chunks[index]
+            offset -= len(chunk)
+            parts.append(chunk)
+        parts.reverse()
+        return b"".join(parts)[start - offset : end - offset]
+
+    def pieces(self, count: int = 128) -> Iterator[bytes]:
+        """The log's bytes in order, ``count`` chunks joined at a time (joined in C, not one
+        piece per chunk); all of them in memory (``base`` is 0)."""
+        chunks = self.chunks
+        for index in range(0, len(chunks), count):
+            yield b"".join(chunks[index : index + count])
 
     def read(self, offset: int, limit: int = _READ_LIMIT) -> bytes:
         """Up to about ``limit`` bytes starting at byte ``offset``; :class:`Released` below

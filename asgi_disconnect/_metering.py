@@ -358,8 +358,10 @@ class MeteringMiddleware:
         the share delivered, or a calibration sample of a complete answer."""
         if tee.log is None:
             return False
-        if tee.needs_text(report, delivered):
-            return True
+        if report.output_tokens is None:  # an estimate, unless the provider's usage came aside
+            return tee.state is None or tee.state.upstream_usage is None
+        if delivered < tee.produced:
+            return True  # the share delivered
         return (
             report.usage_source == "provider"
             and report.terminal_marker_seen
@@ -656,25 +658,15 @@ class _Tee:
         log, meter = self.log, self.meter
         assert log is not None
         assert meter is not None
-        end = log.output_size
+        end = self.produced = log.output_size
         fed = meter.bytes_fed
         if end > fed:
             start = min(max(fed, log.tail_start()), end)
             if start < log.base:
                 return False
             meter.jump(start - fed)
-            meter.feed(_log_bytes(log, start, end))
-        self.produced = end
+            meter.feed(log.read_back(start, end))
         return True
-
-    def needs_text(self, report: Any, delivered: int) -> bool:
-        """Whether the record needs the stream's text, which only a whole read gives."""
-        if self.log is None:
-            return False
-        state = self.state
-        if report.output_tokens is None:
-            return state is None or state.upstream_usage is None
-        return delivered < self.produced
 
     def whole_in_memory(self) -> bool:
         log = self.log
@@ -688,6 +680,15 @@ class _Tee:
         if pattern is not None:
             return _TextScan(pattern, light, self.produced, delivered)
         return _WholeRead(StreamMeter(self.provider), self.produced, delivered)
+
+    def took(self, reader: _WholeRead | _TextScan, light: Any) -> Any:
+        """The report of a whole read (its text, and the text delivered: ``within``), or
+        ``light`` if the read did not reach the app's last byte."""
+        if reader.offset < reader.end:
+            return light
+        report = reader.report()
+        self.within = reader.within
+        return report
 
     @property
     def bounded(self) -> bool:
@@ -720,7 +721,6 @@ class _Tee:
         meter = self.meter
         if meter is not None:
             if self.log is not None:
-                self.produced = self.log.output_size
                 self._read_end()
             return meter.report()
         if self._json:
@@ -794,8 +794,6 @@ _TEXT_MEMBERS = {
     "anthropic_messages": re.compile(rb'"text"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"'),
 }
 _STRINGS = msgspec.json.Decoder(list[str])
-# How many of a log's chunks a whole read takes at once.
-_CHUNKS_READ = 128
 
 
 class _TextScan:
@@ -868,34 +866,15 @@ class _TextScan:
         return msgspec.structs.replace(self.light, text="".join(self._texts))
 
 
-def _log_bytes(log: Generation, start: int, end: int) -> bytes:
-    """Bytes ``start`` to ``end`` of a log that holds them in memory, found from its end
-    (metering reads a stream's last events: a few chunks back)."""
-    chunks = log.chunks
-    index = len(chunks)
-    offset = log.size
-    parts = []
-    while index > log.base_index and offset > start:
-        index -= 1
-        chunk = chunks[index]
-        offset -= len(chunk)
-        parts.append(chunk)
-    parts.reverse()
-    return b"".join(parts)[start - offset : end - offset]
-
-
 def _read_log(tee: _Tee, delivered: int, light: Any) -> Any:
     """The whole stream's report, read from its log (all of it in memory)."""
     log = tee.log
     assert log is not None
     reader = tee.whole_reader(delivered, light)
-    chunks = log.chunks
-    for index in range(0, len(chunks), _CHUNKS_READ):  # joined in C, not a feed per chunk
-        if not reader.feed(b"".join(chunks[index : index + _CHUNKS_READ])):
+    for piece in log.pieces():
+        if not reader.feed(piece):
             break
-    report = reader.report()
-    tee.within = reader.within
-    return report
+    return tee.took(reader, light)
 
 
 # How long a record waits for the store to give back a stream's bytes its log let go.
@@ -923,11 +902,7 @@ async def _read_stored(tee: _Tee, state: RequestState, light: Any) -> Any:
             exc,
         )
         return light
-    if reader.offset < reader.end:
-        return light
-    report = reader.report()
-    tee.within = reader.within
-    return report
+    return tee.took(reader, light)
 
 
 async def _awaited(result: Awaitable[object], record: UsageRecord) -> None:
