@@ -137,7 +137,7 @@ class DrainMiddleware:
                 unique=True,
                 startup=self._startup,
                 stop_admitting=self._stop_admitting,
-                close=self._restore_signals,
+                close=self._closed,
             )
             await lifecycle.run(owner, self.app, scope, receive, send)
         elif kind == "websocket" and self.draining:
@@ -311,9 +311,7 @@ class DrainMiddleware:
     # -- lifecycle and signals ------------------------------------------------------------
 
     def _startup(self) -> None:
-        self.draining = self.drained = False
-        self._drain_task = None
-        self._deadline = None
+        self._admit()
         if self.trust_loopback and self.drain_path is not None:
             logger.warning(
                 "DrainMiddleware trusts loopback: any process on this host, and any same-host "
@@ -323,8 +321,19 @@ class DrainMiddleware:
         if self.signals:
             self._take_sigterm()
 
+    def _admit(self) -> None:
+        self.draining = self.drained = False
+        self._drain_task = None
+        self._deadline = None
+
     def _stop_admitting(self) -> None:
         self.draining = True
+
+    def _closed(self) -> None:
+        """The lifespan ended: SIGTERM goes back to the server, and requests that still come
+        (one app used with and without a lifespan, as tests do) are served as before it."""
+        self._restore_signals()
+        self._admit()
 
     def _take_sigterm(self) -> None:
         """Take SIGTERM from the server: drain first, then hand it back."""

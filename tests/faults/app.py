@@ -53,10 +53,28 @@ async def report(request: Request) -> StreamingResponse:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+async def chat(request: Request) -> StreamingResponse:
+    """An OpenAI chat stream without usage (its client did not ask): cancelled when the
+    client leaves, estimated from its text."""
+    count = int(request.query_params.get("n", "100"))
+    interval = float(request.query_params.get("interval", "0.01"))
+
+    async def events() -> AsyncIterator[bytes]:
+        for i in range(count):
+            yield (
+                b'data: {"object":"chat.completion.chunk","model":"fault-model",'
+                b'"choices":[{"index":0,"delta":{"content":"tok%d "}}]}\n\n' % i
+            )
+            await asyncio.sleep(interval)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 app = Starlette(
     routes=[
         Route("/charge", charge, methods=["POST"]),
         Route("/report", report, methods=["POST"]),
+        Route("/chat", chat, methods=["POST"]),
     ]
 )
 install(

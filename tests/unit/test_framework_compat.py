@@ -1,4 +1,5 @@
-"""What Starlette and FastAPI apps do bare, they do with the stack installed."""
+"""What Starlette and FastAPI apps do bare, they do with the stack installed (with
+idempotency and drain on)."""
 
 from __future__ import annotations
 
@@ -67,13 +68,13 @@ async def test_body_limits_of_the_app_and_its_routes_apply_as_without_the_stack(
 ) -> None:
     app = limited_app()
     if installed:
-        install(app, backend=MemoryBackend())
+        install(app, backend=MemoryBackend(), idempotency=True, drain=True)
     assert await statuses(app, PLAN) == [413, 200, 413, 200, 413, 200]
 
 
 async def test_a_route_limit_above_the_apps_holds_on_the_first_request() -> None:
     app = limited_app()
-    install(app, backend=MemoryBackend())
+    install(app, backend=MemoryBackend(), idempotency=True, drain=True)
     # The first request to a route runs supervised (the stack reads ahead for the client):
     # the body is read only when the app asks, after routing set the route's limit.
     assert await statuses(app, [("/echo", 60)]) == [200]
@@ -105,7 +106,7 @@ async def test_a_request_cancelled_from_outside_returns_after_the_apps_cleanup(
     events: list[str] = []
     app = teardown_app(events)
     if installed:
-        install(app, backend=MemoryBackend())
+        install(app, backend=MemoryBackend(), idempotency=True, drain=True)
     receive = request_then_disconnect(asyncio.Event())  # the client never leaves
 
     async def send(message: dict[str, Any]) -> None:
@@ -127,7 +128,7 @@ async def test_requests_after_a_lifespan_ended_are_served_as_before_it_began() -
     lifespan's shutdown, requests are answered (their work ends with them), not 503."""
     probe = Probe()
     app = sse_app(probe, chunks=3, delay=0.001)
-    install(app, backend=MemoryBackend())
+    install(app, backend=MemoryBackend(), idempotency=True, drain=True)
     before = await drive(app, path="/cancel", headers=[("authorization", "Bearer t")])
     async with lifespan(app):
         during = await drive(app, path="/cancel", headers=[("authorization", "Bearer t")])
@@ -151,7 +152,7 @@ async def test_a_cancelled_error_the_app_raises_itself_reaches_the_server(
 ) -> None:
     app = Starlette(routes=[Route("/boom", raises_cancelled)])
     if installed:
-        install(app, backend=MemoryBackend())
+        install(app, backend=MemoryBackend(), idempotency=True, drain=True)
     for _ in range(2):  # supervised, then as the route runs once it is known
         task = asyncio.ensure_future(drive(app, path="/boom"))
         with pytest.raises(asyncio.CancelledError):
@@ -186,7 +187,7 @@ def test_an_app_served_on_asyncio_then_trio_says_it_runs_on_asyncio_only() -> No
     from starlette.testclient import TestClient
 
     app = teardown_app([])
-    install(app, backend=MemoryBackend())
+    install(app, backend=MemoryBackend(), idempotency=True, drain=True)
     with TestClient(app) as client:  # asyncio
         assert client.get("/missing").status_code == 404
     with pytest.raises(
@@ -207,7 +208,7 @@ async def catching(request: Request) -> JSONResponse:
 async def test_an_endpoint_catches_the_body_limit_itself(installed: bool) -> None:
     app = Starlette(routes=[Route("/catch", catching, methods=["POST"])], max_body_size=25)
     if installed:
-        install(app, backend=MemoryBackend())
+        install(app, backend=MemoryBackend(), idempotency=True, drain=True)
     for _ in range(2):  # supervised, then inline
         result = await drive(app, method="POST", path="/catch", body=b"x" * 30)
         assert result.status == 200
