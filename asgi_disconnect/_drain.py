@@ -21,7 +21,9 @@ import contextlib
 import hmac
 import logging
 import math
+import os
 import signal
+import socket
 import threading
 import time
 from collections import deque
@@ -35,6 +37,9 @@ from ._lifecycle import Lifecycle, lifecycle_of
 from ._problem import send_json, send_problem
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import FrameType
+
     from starlette.types import ASGIApp, Receive, Scope, Send
 
 __all__ = ["DrainMiddleware"]
@@ -110,7 +115,7 @@ class DrainMiddleware:
         self._deadline: tuple[float, float] | None = None
         self._idle: asyncio.Event | None = None
         self._retry_header = (b"retry-after", str(retry_after).encode())
-        self._restore_signal: Any = None
+        self._sigterm: SigtermHold | None = None
 
     # -- requests -----------------------------------------------------------------------
 
@@ -340,56 +345,144 @@ class DrainMiddleware:
         if threading.current_thread() is not threading.main_thread():
             logger.info("DrainMiddleware: not in the main thread, SIGTERM is left to the server")
             return
-        loop = asyncio.get_running_loop()
-        handlers: dict[int, Any] = getattr(loop, "_signal_handlers", {})
-        handle = handlers.get(signal.SIGTERM)
-        if handle is not None:
-            # The server used loop.add_signal_handler (hypercorn): replace its handler.
-            callback, args = handle._callback, handle._args
+        self._restore_signals()
+        self._sigterm = SigtermHold.take(asyncio.get_running_loop(), self._on_sigterm)
 
-            def server_handler() -> None:
-                loop.add_signal_handler(signal.SIGTERM, callback, *args)
-                callback(*args)
-
-            loop.add_signal_handler(signal.SIGTERM, self._on_sigterm, server_handler)
-            self._restore_signal = lambda: loop.add_signal_handler(signal.SIGTERM, callback, *args)
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-        if not callable(previous):
-            logger.info("DrainMiddleware: SIGTERM has no handler of the server's; not taken")
-            return
-
-        def hand_back() -> None:
-            signal.signal(signal.SIGTERM, previous)
-            previous(signal.SIGTERM, None)
-
-        def on_signal(signum: int, frame: object) -> None:
-            loop.call_soon_threadsafe(self._on_sigterm, hand_back)
-
-        signal.signal(signal.SIGTERM, on_signal)
-        self._restore_signal = lambda: signal.signal(signal.SIGTERM, previous)
-
-    def _on_sigterm(self, hand_back: Any) -> None:
-        handed = False
-
-        def once(_: object = None) -> None:
-            nonlocal handed
-            if not handed:
-                handed = True
-                hand_back()
-
+    def _on_sigterm(self, hold: SigtermHold) -> None:
         if self._drain_task is not None:
             # A second SIGTERM, or one after a drain: the server shuts down now.
             logger.warning("SIGTERM while draining: the server shuts down now")
-            once()
+            hold.hand_back()
             return
         logger.warning("SIGTERM: draining before the server shuts down")
-        self.start_drain().add_done_callback(once)
+        self.start_drain().add_done_callback(lambda _: hold.hand_back())
 
     def _restore_signals(self) -> None:
-        restore, self._restore_signal = self._restore_signal, None
-        if restore is not None:
+        hold, self._sigterm = self._sigterm, None
+        if hold is not None:
             try:
-                restore()
+                hold.release()
             except Exception:  # the loop may be closing; nothing to hand back then
                 logger.debug("restoring the server's SIGTERM handler failed", exc_info=True)
+
+
+class SigtermHold:
+    """SIGTERM kept from the process's own handlers while a drain runs, then raised again
+    for them, through public APIs only.
+
+    A handler set with ``signal.signal`` (uvicorn's) is put aside. A handler set with
+    ``loop.add_signal_handler`` (hypercorn's, any asyncio program's) is run by its loop when
+    the signal's number arrives on the signal wakeup fd: the hold points that fd at a socket
+    of its own, keeps SIGTERM's number and passes every other number on. Handing back puts
+    both back and raises SIGTERM, which reaches whichever handlers were there, unknown to us.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_sigterm: Callable[[SigtermHold], None],
+        previous: Callable[[int, FrameType | None], Any],
+    ) -> None:
+        self._loop = loop
+        self._on_sigterm = on_sigterm
+        self._previous = previous
+        self._handler = self._on_signal  # one bound method, to know it again in getsignal()
+        # The loop's wakeup fd while ours stands in for it, and our socket pair.
+        self._diverted = -1
+        self._sockets: tuple[socket.socket, socket.socket] | None = None
+        self.held = False
+
+    @classmethod
+    def take(
+        cls, loop: asyncio.AbstractEventLoop, on_sigterm: Callable[[SigtermHold], None]
+    ) -> SigtermHold | None:
+        """Hold SIGTERM, or None when it has no handler of the process's to hand back to, or
+        when its loop runs handlers in a way the hold cannot stand in for."""
+        previous = signal.getsignal(signal.SIGTERM)
+        if not callable(previous):
+            logger.info("DrainMiddleware: SIGTERM has no handler of the server's; not taken")
+            return None
+        hold = cls(loop, on_sigterm, previous)
+        hold.held = True
+        # The handler first: a SIGTERM between the two steps then starts a drain, never none.
+        signal.signal(signal.SIGTERM, hold._handler)
+        if not hold._divert_wakeup_fd():
+            hold.release()
+            logger.info(
+                "DrainMiddleware: the event loop cannot watch a socket of ours, so the "
+                "signal handlers it runs cannot be held; SIGTERM is left to the server"
+            )
+            return None
+        return hold
+
+    def _divert_wakeup_fd(self) -> bool:
+        """Point the wakeup fd at a socket of ours; False if a loop reads it and we cannot."""
+        reader, writer = socket.socketpair()
+        reader.setblocking(False)
+        writer.setblocking(False)
+        diverted = signal.set_wakeup_fd(writer.fileno())
+        if diverted == -1:  # no wakeup fd: no loop runs signal handlers through one
+            signal.set_wakeup_fd(-1)
+            reader.close()
+            writer.close()
+            return True
+        try:
+            self._loop.add_reader(reader.fileno(), self._pass_on)
+        except NotImplementedError:
+            signal.set_wakeup_fd(diverted)
+            reader.close()
+            writer.close()
+            return False
+        self._diverted = diverted
+        self._sockets = (reader, writer)
+        return True
+
+    def _pass_on(self) -> None:
+        """Pass the loop every signal number but SIGTERM's, as the signal would have."""
+        assert self._sockets is not None
+        others = bytearray()
+        with contextlib.suppress(BlockingIOError):
+            while data := self._sockets[0].recv(4096):
+                others += bytes(number for number in data if number != signal.SIGTERM)
+        if others:
+            with contextlib.suppress(OSError):  # full: the signal itself would be dropped too
+                os.write(self._diverted, others)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._taken)
+        except RuntimeError:  # the loop is closed: nothing to drain
+            self.hand_back()
+
+    def _taken(self) -> None:
+        if self.held:
+            self._on_sigterm(self)
+        else:  # released while this SIGTERM waited for the loop: it goes where it would have
+            signal.raise_signal(signal.SIGTERM)
+
+    def hand_back(self) -> None:
+        """Put back what was taken and raise SIGTERM for the handlers that had it (once)."""
+        if self.held:
+            self.release()
+            signal.raise_signal(signal.SIGTERM)
+
+    def release(self) -> None:
+        """Put back what was taken, leaving any handler set since in place."""
+        if not self.held:
+            return
+        self.held = False
+        if signal.getsignal(signal.SIGTERM) == self._handler:
+            signal.signal(signal.SIGTERM, self._previous)
+        sockets, self._sockets = self._sockets, None
+        if sockets is None:
+            return
+        reader, writer = sockets
+        try:
+            current = signal.set_wakeup_fd(self._diverted)
+        except (ValueError, OSError):  # the loop closed its end: nobody to wake
+            current = signal.set_wakeup_fd(-1)
+        if current != writer.fileno():  # the loop pointed it elsewhere since: that stands
+            signal.set_wakeup_fd(current)
+        self._loop.remove_reader(reader.fileno())
+        reader.close()
+        writer.close()

@@ -235,8 +235,8 @@ PRIVATE_ATTRIBUTES = {
     "co_freevars",
 }
 # The internals the package still uses, by module: the rebuilt per-request core takes them
-# out (``_aio.step_as`` and ``binds_nothing``; the drain's hand-over of SIGTERM). None may be
-# added; one taken out is taken off this list.
+# out (``_aio.step_as`` and ``binds_nothing``). None may be added; one taken out is taken off
+# this list.
 STILL_TO_REMOVE = {
     ("_aio.py", "__closure__"),
     ("_aio.py", "__code__"),
@@ -247,9 +247,6 @@ STILL_TO_REMOVE = {
     ("_aio.py", "cell_contents"),
     ("_aio.py", "co_consts"),
     ("_aio.py", "co_freevars"),
-    ("_drain.py", "_args"),
-    ("_drain.py", "_callback"),
-    ("_drain.py", "_signal_handlers"),
 }
 
 
