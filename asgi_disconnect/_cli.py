@@ -17,7 +17,6 @@ import os
 import secrets
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 
@@ -162,15 +161,15 @@ def _demo(args: argparse.Namespace) -> int:
 async def _generations(args: argparse.Namespace, backend_url: str) -> int:
     from . import connect
 
-    backend: Any = connect(backend_url)
+    backend = connect(backend_url)
     await backend.open()
     try:
         if args.action == "list":
-            for info in await backend.recent(args.limit, args.status):
+            for listed in await backend.recent(args.limit, args.status):
                 print(
-                    f"{info.id}  {info.status:<11} {info.policy or '-':<7} "
-                    f"{'detached' if info.detached else '        '} {info.size:>9} B  "
-                    f"{info.content_type or ''}"
+                    f"{listed.id}  {listed.status:<11} {listed.policy or '-':<7} "
+                    f"{'detached' if listed.detached else '        '} {listed.size:>9} B  "
+                    f"{listed.content_type or ''}"
                 )
             return 0
         info = await backend.get(args.id)

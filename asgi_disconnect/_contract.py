@@ -8,7 +8,12 @@ Every middleware of the package reads and hooks a request only through what is h
   produced and delivered bytes; :attr:`RequestState.ending`, how the exchange ended;
 - :meth:`RequestState.on_finished`: the hook that runs once the exchange is over (the app
   returned and nothing more will be delivered; for detached work, when it ended);
-- :class:`Backend`: the one object that serves every store (generations, claims, usage).
+- the stores, split by what their callers need: :class:`GenerationLog` (and its read half,
+  :class:`GenerationReader`), :class:`ClaimStore`, :class:`UsageStore`, :class:`PinStore`;
+  :class:`Backend` is all of them, the one object that serves every store;
+- what a live generation is to the others, never the log itself: :class:`GenerationOutput`
+  (``RequestState.generation``, for the middlewares) and :class:`LiveLog` (what a store
+  reads of a generation logged in this process).
 
 Who writes what in :class:`RequestState`:
 
@@ -65,7 +70,9 @@ field                  written by
                        refusals); a generation's response has its own
 =====================  ======================================================
 
-No middleware imports another; the stores import only this module and the records.
+No middleware imports another; the stores import only this module and the records. This
+module imports neither the log (``_log``) nor a policy module: it names them by what the
+others read of them.
 """
 
 from __future__ import annotations
@@ -82,25 +89,33 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 
     from starlette.types import Scope
 
-    from ._log import Generation
-    from ._policy import Policy
-    from ._records import Claim, GenerationInfo, StoredResponse, UsageRecord
+    from ._records import Claim, GenerationInfo, Status, StoredResponse, UsageRecord
 
 __all__ = [
     "CREDENTIAL_HEADERS",
     "SCOPE_KEY",
     "Backend",
     "ClaimStore",
+    "ClientReader",
     "Closable",
     "Ending",
+    "GenerationLog",
+    "GenerationOutput",
+    "GenerationReader",
+    "LiveLog",
+    "LogStore",
+    "PinStore",
+    "Policy",
     "Principal",
     "RequestState",
     "Reservations",
+    "StoreLifecycle",
     "UsageSink",
+    "UsageStore",
     "answered",
     "current_state",
     "default_principal",
@@ -176,6 +191,16 @@ class Ending(enum.StrEnum):
     """The server or the process stopped the work (shutdown, a cancelled request)."""
 
 
+class Policy(enum.StrEnum):
+    """What happens to a request's work when its client goes away."""
+
+    CANCEL = "cancel"
+    """Cancel the work at once: upstream sockets close, the provider stops billing."""
+
+    DETACH = "detach"
+    """Keep generating, owned by the process; the output stays resumable by id."""
+
+
 class Closable(Protocol):
     async def aclose(self) -> None: ...
 
@@ -183,7 +208,98 @@ class Closable(Protocol):
 class LogStore(Protocol):
     """Where a generation's bytes are read back, from any offset."""
 
-    def follow(self, generation_id: str, offset: int) -> AsyncIterator[bytes]: ...
+    def follow(self, generation_id: str, offset: int) -> AsyncGenerator[bytes, None]:
+        """Its bytes from ``offset``, then live until it ends; a reader that stops early
+        closes it (``aclose``)."""
+
+
+class ClientReader(Protocol):
+    """The request whose client reads a generation as it is produced."""
+
+    delivered_bytes: int
+
+
+class GenerationOutput(Protocol):
+    """The request's generation as the middlewares read it (``RequestState.generation``):
+    its status and the bytes the app produced, while it runs and once it ended. Bytes
+    before ``base`` were released from memory; the request's ``log_store`` has them."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def status(self) -> Status: ...
+    @property
+    def status_code(self) -> int: ...
+    @property
+    def size(self) -> int:
+        """The bytes logged, the exchange's own frames included."""
+
+    @property
+    def output_size(self) -> int:
+        """The bytes the app produced."""
+
+    @property
+    def base(self) -> int: ...
+    @property
+    def frames_at(self) -> int | None:
+        """Where the exchange's own frames began, if it added any."""
+
+    # The request whose client reads the log as it is produced; None once it reads no more.
+    reader: ClientReader | None
+
+    def chunks_from(self, index: int) -> list[bytes]:
+        """The chunks from ``index`` on, as the app produced them."""
+
+    def tail_start(self) -> int:
+        """Where an event stream's end, kept in memory while it runs, starts."""
+
+    def read_back(self, start: int, end: int) -> bytes:
+        """Bytes ``start`` to ``end``, found from the log's end; ``start`` >= ``base``."""
+
+    def pieces(self, count: int = 128) -> Iterator[bytes]:
+        """The bytes in order, ``count`` chunks at a time; all in memory (``base`` is 0)."""
+
+
+class LiveLog(Protocol):
+    """A generation logged in this process, as the store that keeps it reads it: its
+    record (``info``), its bytes (``chunks_from``) and how the store keeps up with it.
+
+    Appends and the final status are made on it without awaiting anything: a durable store
+    pulls them in batches of its own choosing, and says what it has (``stored``).
+    """
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def principal(self) -> str: ...
+    @property
+    def running(self) -> bool: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def chunk_count(self) -> int: ...
+    @property
+    def policy(self) -> str | None: ...
+    @property
+    def detached(self) -> bool: ...
+    @property
+    def finished_at(self) -> float | None: ...
+
+    # Called once when the generation ends: the store that keeps it accounts for it then.
+    on_finish: Callable[[LiveLog], None] | None
+
+    def info(self) -> GenerationInfo: ...
+    def chunks_from(self, index: int) -> list[bytes]:
+        """The chunks from ``index`` on (a released chunk is ``b""``, its index kept)."""
+
+    def stored(self, offset: int) -> None:
+        """A store has the bytes before ``offset``: free those no reader here needs."""
+
+    def follow(
+        self, offset: int, released: Callable[[int], Awaitable[bytes]] | None = None
+    ) -> AsyncIterator[bytes]:
+        """The bytes from ``offset``, then live until it ends; ``released`` reads from the
+        store what memory let go."""
 
 
 class RequestState:
@@ -222,7 +338,7 @@ class RequestState:
     def __init__(self, generation_id: str, principal: str = "") -> None:
         self.generation_id = generation_id
         self.principal = principal
-        self.generation: Generation | None = None
+        self.generation: GenerationOutput | None = None
         self.log_store: LogStore | None = None
         self.policy: Policy | None = None
         self.detached = False
@@ -360,14 +476,25 @@ class Reservations(Protocol):
     async def settle(self, reservation: Any, record: UsageRecord) -> None: ...
 
 
-class ClaimStore(Protocol):
-    """The claim half of a backend. Leases and expiry are judged by the store's clock."""
+# -- the stores, split by what their callers need ---------------------------------------
+#
+# One backend object serves them all (``Backend``); each caller types what it is given by
+# the part it uses, and never probes for a member.
+
+
+class StoreLifecycle(Protocol):
+    """A store that is opened before use and closed at shutdown (in the lifespan)."""
 
     async def open(self) -> None:
         """Connect and prepare the store; idempotent. Raises ``BackendUnavailable``."""
 
     async def aclose(self) -> None:
         """Persist what is pending and release connections; idempotent."""
+
+
+class ClaimStore(StoreLifecycle, Protocol):
+    """The claim half of a backend (IdempotencyMiddleware, :func:`once`). Leases and
+    expiry are judged by the store's clock."""
 
     async def claim(
         self, principal: str, key: str, fingerprint: bytes, *, owner: str, lease: float, ttl: float
@@ -396,25 +523,9 @@ class ClaimStore(Protocol):
 
 
 @runtime_checkable
-class Backend(ClaimStore, Protocol):
-    """Where generations, claims and usage records live.
-
-    The middleware hands each live :class:`Generation` to ``register``; appends and the
-    final status are recorded on that object without awaiting anything, and a durable
-    backend persists them in batches of its own choosing (it pulls from the object).
-    Readers go through ``get``, ``principal_of`` and ``follow``, which work from any
-    process that shares the store.
-    """
-
-    url: str
-
-    @property
-    def flush_interval(self) -> float | None:
-        """At most how long a durable store is behind the process that produces a
-        generation; None for one that is not shared (memory)."""
-
-    def register(self, generation: Generation) -> None:
-        """Take a new generation; called once, without awaiting, at response start."""
+class GenerationReader(LogStore, Protocol):
+    """Where generations are read, from any process that shares the store (a retry that
+    attaches to its running generation, the command line)."""
 
     async def get(self, generation_id: str) -> GenerationInfo | None:
         """The generation's status, or None if it is unknown or expired."""
@@ -422,20 +533,31 @@ class Backend(ClaimStore, Protocol):
     async def principal_of(self, generation_id: str) -> str | None:
         """The principal that created the generation, or None if it is unknown."""
 
-    def follow(self, generation_id: str, offset: int) -> AsyncIterator[bytes]:
-        """Its bytes from ``offset``, then live until it ends."""
-
-    def produces(self, generation_id: str) -> bool:
-        """Whether this process produces the generation (its live log is the truth)."""
-
     async def recent(self, limit: int = 20, status: str | None = None) -> list[GenerationInfo]:
         """The newest generations (``status``: only those)."""
 
-    def record_usage(self, record: UsageRecord) -> None:
-        """Store a usage record (a sink for :class:`MeteringMiddleware`); never awaits."""
 
-    async def usage_of(self, generation_id: str) -> list[UsageRecord]:
-        """The usage records stored for a generation."""
+class GenerationLog(GenerationReader, Protocol):
+    """Where generations are logged (DisconnectMiddleware), read, resumed and stopped
+    (its resume endpoints).
+
+    The middleware hands each generation it produces to ``register`` (a :class:`LiveLog`);
+    appends and the final status are recorded on that object without awaiting anything,
+    and a durable store persists them in batches of its own choosing (it pulls from the
+    object). Readers go through ``get``, ``principal_of`` and ``follow``, which work from
+    any process that shares the store.
+    """
+
+    @property
+    def flush_interval(self) -> float | None:
+        """At most how long a durable store is behind the process that produces a
+        generation; None for one that is not shared (memory)."""
+
+    def register(self, generation: LiveLog) -> None:
+        """Take a new generation; called once, without awaiting, at response start."""
+
+    def produces(self, generation_id: str) -> bool:
+        """Whether this process produces the generation (its live log is the truth)."""
 
     # Called with a running generation's id, in the process that produces it, when its
     # owner asked to stop it; True if it was running here. Set by DisconnectMiddleware.
@@ -445,6 +567,20 @@ class Backend(ClaimStore, Protocol):
         """Ask the process that produces the running generation to stop it (here through
         ``on_cancel``, on another replica through the store); False if it is not running."""
 
+
+class UsageStore(Protocol):
+    """Where usage records are kept (``install(store_usage=True)``, the command line)."""
+
+    def record_usage(self, record: UsageRecord) -> None:
+        """Store a usage record (a sink for :class:`MeteringMiddleware`); never awaits."""
+
+    async def usage_of(self, generation_id: str) -> list[UsageRecord]:
+        """The usage records stored for a generation."""
+
+
+class PinStore(Protocol):
+    """Where sessions are bound to providers (:class:`SessionPins`)."""
+
     async def pin_session(self, principal: str, session_id: str, provider: str, ttl: float) -> str:
         """The provider the session is bound to: its live binding, renewed for ``ttl``
         seconds, or else a new binding to ``provider``; one statement, by the store's clock.
@@ -452,3 +588,12 @@ class Backend(ClaimStore, Protocol):
 
     async def end_session(self, principal: str, session_id: str) -> bool:
         """End the session's binding; True if a live one was there."""
+
+
+@runtime_checkable
+class Backend(GenerationLog, ClaimStore, UsageStore, PinStore, Protocol):
+    """Where generations, claims, usage records and session pins live: one object that is
+    every store (:func:`connect` returns one). A store of your own implements the parts its
+    callers need; DisconnectMiddleware takes a whole ``Backend``."""
+
+    url: str

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import parse_qsl
 
 from ._aio import shielded
-from ._contract import SCOPE_KEY, Backend, RequestState, default_principal, request_state
+from ._contract import (
+    SCOPE_KEY,
+    GenerationReader,
+    RequestState,
+    default_principal,
+    request_state,
+)
 from ._errors import AsgiDisconnectError
 from ._lifecycle import lifecycle_of
 from ._problem import problem_body, send_problem
@@ -29,8 +35,7 @@ if TYPE_CHECKING:
 
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from ._contract import ClaimStore
-    from ._log import Generation
+    from ._contract import ClaimStore, GenerationOutput, LogStore
 
 __all__ = ["IdempotencyKeyRequired", "IdempotencyMiddleware", "idempotent", "parse_key"]
 
@@ -447,8 +452,9 @@ class IdempotencyMiddleware:
         self.fingerprint_headers = tuple(h.lower().encode("latin-1") for h in fingerprint_headers)
         self.replay_headers = _REPLAY_HEADERS | {h.lower() for h in replay_headers}
         self.store_below = 600 if store_server_errors else 500
-        # Attaching tails the live generation: the backend must be able to read it.
-        self.attach = in_flight == "attach" and isinstance(backend, Backend)
+        # Attaching tails the live generation: the store must read generations too.
+        self._generations = backend if isinstance(backend, GenerationReader) else None
+        self.attach = in_flight == "attach" and self._generations is not None
         self._noting: set[asyncio.Task[None]] = set()
         self.pending_settles = PendingSettles(
             backend, max_count=max_pending_settles, max_bytes=max_pending_bytes
@@ -626,8 +632,9 @@ class IdempotencyMiddleware:
         return mac.digest()
 
     async def _attach(self, generation_id: str, send: Send) -> None:
-        backend: Any = self.backend
-        info = await backend.get(generation_id)
+        generations = self._generations
+        assert generations is not None  # self.attach
+        info = await generations.get(generation_id)
         if info is None:
             raise _Refusal(
                 409,
@@ -642,7 +649,7 @@ class IdempotencyMiddleware:
             _REPLAYED,
         ]
         await send({"type": "http.response.start", "status": info.status_code, "headers": headers})
-        async for data in backend.follow(generation_id, 0):
+        async for data in generations.follow(generation_id, 0):
             await send({"type": "http.response.body", "body": data, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -778,7 +785,7 @@ class IdempotencyMiddleware:
         key: str,
         owner: str,
         response: dict[str, Any],
-        generation: Generation | None,
+        generation: GenerationOutput | None,
         failure: BaseException | None,
         ttl: float,
         chunks: list[bytes] | None = None,
@@ -823,16 +830,20 @@ class IdempotencyMiddleware:
         ttl: float,
     ) -> _Settle:
         """How the claim of work that detached ends: its whole generation, read back from
-        the store where memory released it, is the response to store."""
+        the store that logs it (the request's ``log_store``) where memory released it, is
+        the response to store."""
         generation = state.generation
         chunks: list[bytes] | None = None
         if generation is not None and generation.status.value == "complete":
+            store = state.log_store
             if generation.size > self.max_stored:
                 chunks = None
             elif not generation.base:
                 chunks = generation.chunks_from(0)
+            elif store is None:
+                chunks = None  # released, and nowhere to read it back: not stored
             else:
-                chunks = await self._read_back(generation, key)
+                chunks = await self._read_back(store, generation, key)
                 if sum(map(len, chunks)) != generation.size:
                     logger.error(
                         "generation %s read back short from the store; the idempotency "
@@ -843,15 +854,16 @@ class IdempotencyMiddleware:
                     chunks = None
         return self._ending(principal, key, owner, response, generation, None, ttl, chunks)
 
-    async def _read_back(self, generation: Generation, key: str) -> list[bytes]:
-        """The generation's bytes from the store, retried with backoff while it is down
+    async def _read_back(
+        self, store: LogStore, generation: GenerationOutput, key: str
+    ) -> list[bytes]:
+        """The generation's bytes from ``store``, retried with backoff while it is down
         (as a pending settle is, for as long as the process lives)."""
         delay = 0.05
         failures = 0
         while True:
             try:
-                backend: Any = self.backend
-                return [data async for data in backend.follow(generation.id, 0)]
+                return [data async for data in store.follow(generation.id, 0)]
             except Exception as exc:
                 failures += 1
                 if failures == 1:

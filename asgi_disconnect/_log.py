@@ -1,16 +1,22 @@
-"""The generation log: a response's bytes in the order the app produced them."""
+"""The generation log: a response's bytes in the order the app produced them.
+
+The others know a :class:`Generation` only by the contract's view of it: the middlewares
+as ``GenerationOutput`` (``RequestState.generation``), the stores as ``LiveLog``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from bisect import bisect_right
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ._records import GenerationInfo, Status
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+    from ._contract import ClientReader, LiveLog
 
 __all__ = ["Generation", "Released", "now"]
 
@@ -28,10 +34,6 @@ _RELEASED = b""
 
 class Released(LookupError):
     """The bytes asked for were released from memory; the store that flushed them has them."""
-
-
-class _Reader(Protocol):
-    delivered_bytes: int
 
 
 def now() -> float:
@@ -62,10 +64,10 @@ class Generation:
     _ends: list[int] | None = None  # chunk end offsets, built when a reader needs them
     waiters: list[asyncio.Future[None]] | None = None
     # Called once when the generation ends: the store that keeps it accounts for it then.
-    on_finish: Callable[[Generation], None] | None = None
+    on_finish: Callable[[LiveLog], None] | None = None
     # The request whose client reads this log as it is produced (its ``delivered_bytes``):
     # what it has not received yet is never released.
-    reader: _Reader | None = None
+    reader: ClientReader | None = None
     # Chunks before ``base_index`` (bytes before ``base``) were released (see ``release``).
     base = 0
     base_index = 0
@@ -155,9 +157,23 @@ class Generation:
             waiter.set_result(None)
         return waiter
 
+    @property
+    def chunk_count(self) -> int:
+        return len(self.chunks)
+
     def chunks_from(self, index: int) -> list[bytes]:
         """The chunks from ``index`` on, as the producer appended them."""
         return self.chunks[index:]
+
+    def stored(self, offset: int) -> None:
+        """A store has the bytes before ``offset``: free those no reader in this process
+        needs. The request's own client still reads what it has not received (readers
+        behind it read the store); a detached generation's client is gone."""
+        reader = self.reader
+        if reader is not None and not self.detached:
+            offset = min(offset, reader.delivered_bytes)
+        if offset > self.base:
+            self.release(offset)
 
     def release(self, offset: int) -> int:
         """Free the chunks that end at or before byte ``offset`` (a store has them, and no

@@ -30,7 +30,7 @@ from .metering import WINDOW, StreamMeter, StreamReport, _after_blank_line, anal
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from ._log import Generation
+    from ._contract import GenerationOutput
 
 __all__ = [
     "MeteringMiddleware",
@@ -560,7 +560,7 @@ class _Tee:
         # Seeing each message of the app right where DisconnectMiddleware logs it: an event
         # stream may then be left to its log (``log``) after its first events.
         self.direct = False
-        self.log: Generation | None = None
+        self.log: GenerationOutput | None = None
         # With ``log``: the characters of text in the events the client received, once read.
         self.within: int | None = None
 
@@ -653,7 +653,7 @@ class _Tee:
 
     def _read_end(self) -> bool:
         """Feed the meter the stream's end as its log keeps it (its last events, see
-        :meth:`Generation.tail_start`), or all it did not read if that is less; False if
+        :meth:`GenerationOutput.tail_start`), or all it did not read if that is less; False if
         the log let those bytes go (the store has them: the record reads it whole)."""
         log, meter = self.log, self.meter
         assert log is not None

@@ -27,7 +27,7 @@ from ._contract import current_state
 from ._errors import BackendUnavailable
 
 if TYPE_CHECKING:
-    from ._contract import Backend
+    from ._contract import PinStore
 
 __all__ = ["SessionPins"]
 
@@ -37,14 +37,15 @@ _MAX_ID = 255
 
 
 class SessionPins:
-    """Bindings of sessions to providers, kept in ``backend``; see the module's docstring.
+    """Bindings of sessions to providers, kept in ``backend`` (a backend, or any
+    :class:`PinStore`); see the module's docstring.
 
     Sessions are scoped to the caller: inside a request the stack runs, the request's
     principal (the same one its generations and idempotency keys belong to), so one
     caller cannot rebind another's session by guessing its id; elsewhere ``principal=``.
     """
 
-    def __init__(self, backend: Backend, *, ttl: float = 3600.0, fail_open: bool = False) -> None:
+    def __init__(self, backend: PinStore, *, ttl: float = 3600.0, fail_open: bool = False) -> None:
         if not (ttl > 0 and math.isfinite(ttl)):
             raise ValueError("ttl must be a positive number of seconds")
         self.backend = backend

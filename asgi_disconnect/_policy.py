@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, TypeVar
+
+# The policies are the contract's words (a request's state says which one applied); how a
+# route chooses one is here.
+from ._contract import Policy
 
 if TYPE_CHECKING:
     from starlette.types import Scope
 
 __all__ = ["Policy", "PolicyLike", "PolicySource", "disconnect_policy"]
-
-
-class Policy(enum.StrEnum):
-    """What happens to a request's work when its client goes away."""
-
-    CANCEL = "cancel"
-    """Cancel the work at once: upstream sockets close, the provider stops billing."""
-
-    DETACH = "detach"
-    """Keep generating, owned by the process; the output stays resumable by id."""
 
 
 PolicyLike = Policy | Literal["cancel", "detach"]

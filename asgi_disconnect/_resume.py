@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
     from starlette.types import Message, Receive, Scope, Send
 
-    from ._contract import Backend
+    from ._contract import GenerationLog
 
 __all__ = ["STOPPED", "ResumeEndpoints", "error_frame", "is_event_stream"]
 
@@ -146,7 +147,7 @@ class ResumeEndpoints:
 
     def __init__(
         self,
-        backend: Backend,
+        backend: GenerationLog,
         principal: Callable[[Scope], str | None],
         *,
         secret: bytes | None = None,
@@ -352,17 +353,12 @@ class ResumeEndpoints:
         """Bytes [start, end) of the generation, all of which exist already."""
         parts: list[bytes] = []
         size = 0
-        chunks = self.backend.follow(generation_id, start)
-        try:
+        async with contextlib.aclosing(self.backend.follow(generation_id, start)) as chunks:
             async for data in chunks:
                 parts.append(data)
                 size += len(data)
                 if size >= end - start:
                     break
-        finally:
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
         return b"".join(parts)[: end - start]
 
     async def _wait_for_size(self, info: GenerationInfo, offset: int) -> GenerationInfo:
@@ -444,19 +440,14 @@ class ResumeEndpoints:
     ) -> None:
         """The generation's bytes from ``offset`` (as whole events, with ``framer``), live
         until it ends."""
-        chunks = self.backend.follow(info.id, offset)
-        try:
+        # A client that left stops following now, not when the iterator is collected.
+        async with contextlib.aclosing(self.backend.follow(info.id, offset)) as chunks:
             async for data in chunks:
                 if framer is not None:
                     data = framer.feed(data)
                     if not data:
                         continue
                 await send({"type": "http.response.body", "body": data, "more_body": True})
-        finally:
-            # A client that left stops following now, not when the iterator is collected.
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
 
     async def _end(self, info: GenerationInfo, framer: _EventIds | None) -> bytes:
         """What follows the generation's last bytes: the rest of the framer's last event,

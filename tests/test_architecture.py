@@ -145,7 +145,7 @@ def test_the_graph_sees_the_imports_it_must() -> None:
     graph = import_graph()
     assert f"{PACKAGE}._writer" in graph[f"{PACKAGE}._disconnect"]
     # Under TYPE_CHECKING.
-    assert f"{PACKAGE}._log" in graph[f"{PACKAGE}._contract"]
+    assert f"{PACKAGE}._records" in graph[f"{PACKAGE}._contract"]
     # Inside a function, two dots up.
     assert f"{PACKAGE}._backends._sqlite" in graph[f"{PACKAGE}._backends"]
     assert f"{PACKAGE}._records" in graph[f"{PACKAGE}._backends._sqlite"]

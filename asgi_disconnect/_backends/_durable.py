@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import msgspec
 
 from .._errors import BackendUnavailable
-from .._log import Generation
 from .._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncGenerator, Callable
+
+    from .._contract import LiveLog
 
 
 __all__ = ["DurableBackend", "FlushBatch", "SQLStore"]
@@ -141,6 +142,10 @@ class SQLStore(Protocol):
     url: str
     poll_interval: float
 
+    @property
+    def failure(self) -> str | None:
+        """Why the store refuses every write from now on (its file was deleted), or None."""
+
     async def open(self) -> None: ...
     async def aclose(self) -> None: ...
     async def flush(self, batch: FlushBatch) -> None: ...
@@ -233,7 +238,7 @@ class _Tracked:
 
     __slots__ = ("chunks", "created", "generation", "meta", "size", "unsure")
 
-    def __init__(self, generation: Generation) -> None:
+    def __init__(self, generation: LiveLog) -> None:
         self.generation = generation
         self.created = False
         self.chunks = 0
@@ -436,7 +441,7 @@ class DurableBackend:
         await self._ensure_open()
         await self.store.note_generation(principal, key, owner=owner, generation_id=generation_id)
 
-    def register(self, generation: Generation) -> None:
+    def register(self, generation: LiveLog) -> None:
         self._live[generation.id] = _Tracked(generation)
         if not self._opened and self._opening is None:
             # No lifespan ran: open on first use.
@@ -527,20 +532,21 @@ class DurableBackend:
         for tracked in list(self._live.values()):
             generation = tracked.generation
             # Read the status first: a generation that ends meanwhile is flushed next time.
-            status = generation.status
+            running = generation.running
             if not tracked.created:
+                info = generation.info()
                 batch.created.append(
                     (
-                        generation.id,
+                        info.id,
                         generation.principal,
-                        generation.status_code,
-                        generation.content_type,
-                        generation.policy,
-                        generation.detached,
-                        generation.created_at,
+                        info.status_code,
+                        info.content_type,
+                        info.policy,
+                        info.detached,
+                        info.created_at,
                     )
                 )
-            count = len(generation.chunks)
+            count = generation.chunk_count
             start = tracked.size
             taken = tracked.chunks
             for row in tracked.unsure:
@@ -569,11 +575,11 @@ class DurableBackend:
             meta = (generation.policy, generation.detached)
             if tracked.created and meta != tracked.meta:
                 batch.changed.append((generation.id, meta[0], meta[1]))
-            if status is not Status.RUNNING and complete:
-                finished_at = generation.finished_at
-                assert finished_at is not None
+            if not running and complete:
+                info = generation.info()
+                assert info.finished_at is not None
                 batch.finished.append(
-                    (generation.id, status.value, start, generation.error, finished_at)
+                    (info.id, info.status.value, start, info.error, info.finished_at)
                 )
                 done.append(tracked)
         return batch, more, done
@@ -594,7 +600,8 @@ class DurableBackend:
                 tracked.chunks += count
                 tracked.size = end
                 tracked.unsure = []
-                _release(tracked.generation, end)
+                # Memory lets go of what is durable and its own client no longer needs.
+                tracked.generation.stored(end)
         for generation_id, policy, detached in batch.changed:
             tracked = self._live.get(generation_id)
             if tracked is not None:
@@ -657,7 +664,7 @@ class DurableBackend:
         found = await self.store.info(generation_id)
         return None if found is None else found[1]
 
-    async def follow(self, generation_id: str, offset: int) -> AsyncIterator[bytes]:
+    async def follow(self, generation_id: str, offset: int) -> AsyncGenerator[bytes, None]:
         tracked = self._live.get(generation_id)
         if tracked is not None:
             # Produced here: read the live log, which is ahead of the database; what it
@@ -773,8 +780,7 @@ class DurableBackend:
     @property
     def failure(self) -> str | None:
         """Why the store refuses every write from now on (its file was deleted), or None."""
-        failure: str | None = getattr(self.store, "failure", None)
-        return failure
+        return self.store.failure
 
     @property
     def healthy(self) -> bool:
@@ -785,16 +791,6 @@ class DurableBackend:
     def pending_bytes(self) -> int:
         """Bytes produced in this process and not yet durable."""
         return sum(t.generation.size - t.size for t in self._live.values())
-
-
-def _release(generation: Generation, durable: int) -> None:
-    """Free what is durable and what the request's own client no longer needs: readers
-    behind it read the store. A detached generation's client is gone."""
-    reader = generation.reader
-    if reader is not None and not generation.detached:
-        durable = min(durable, reader.delivered_bytes)
-    if durable > generation.base:
-        generation.release(durable)
 
 
 def _log_open_failure(task: asyncio.Task[None]) -> None:

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 from .._records import Claim, ClaimState, StoredResponse
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncGenerator, Callable
 
-    from .._log import Generation
+    from .._contract import LiveLog
     from .._records import GenerationInfo, UsageRecord
 
 __all__ = ["MemoryBackend"]
@@ -102,7 +102,7 @@ class MemoryBackend:
         self._max = max_generations
         self.max_bytes = max_bytes
         self._max_claims = max_claims
-        self._generations: dict[str, Generation] = {}
+        self._generations: dict[str, LiveLog] = {}
         self.usage: deque[UsageRecord] = deque(maxlen=max_generations)
         self._claims: dict[tuple[str, str], _MemoryClaim] = {}
         # (principal, session) -> [provider, expires at (monotonic)]
@@ -238,7 +238,7 @@ class MemoryBackend:
     def __len__(self) -> int:
         return len(self._generations)
 
-    def register(self, generation: Generation) -> None:
+    def register(self, generation: LiveLog) -> None:
         generations = self._generations
         generations[generation.id] = generation
         generation.on_finish = self._on_finish
@@ -259,9 +259,9 @@ class MemoryBackend:
             kept -= cost
         self._kept_bytes = kept
 
-    def _generation_finished(self, generation: Generation) -> None:
+    def _generation_finished(self, generation: LiveLog) -> None:
         # Once per request: a running generation is never dropped, so this one is kept.
-        cost = generation.size + _CHUNK_COST * len(generation.chunks)
+        cost = generation.size + _CHUNK_COST * generation.chunk_count
         max_bytes = self.max_bytes
         if cost > max_bytes:
             self._oversize(generation)
@@ -277,7 +277,7 @@ class MemoryBackend:
         if kept > max_bytes:
             self._shrink()
 
-    def _oversize(self, generation: Generation) -> None:
+    def _oversize(self, generation: LiveLog) -> None:
         # It could never fit: drop it alone rather than evict everything else first.
         self._generations.pop(generation.id, None)
         if not self._warned_oversize:
@@ -322,7 +322,7 @@ class MemoryBackend:
             else:
                 self._drop_claim(key)
 
-    def _live(self, generation_id: str) -> Generation | None:
+    def _live(self, generation_id: str) -> LiveLog | None:
         generation = self._generations.get(generation_id)
         if generation is None:
             return None
@@ -383,7 +383,7 @@ class MemoryBackend:
         generation = self._live(generation_id)
         return None if generation is None else generation.principal
 
-    async def follow(self, generation_id: str, offset: int) -> AsyncIterator[bytes]:
+    async def follow(self, generation_id: str, offset: int) -> AsyncGenerator[bytes, None]:
         generation = self._live(generation_id)
         if generation is None:
             return

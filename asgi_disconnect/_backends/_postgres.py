@@ -131,6 +131,9 @@ class PostgresStore:
     ``poll_interval`` seconds in case a notification was missed.
     """
 
+    # A database server that is down comes back: nothing refuses writes for good here.
+    failure: str | None = None
+
     def __init__(
         self,
         dsn: str | None = None,
