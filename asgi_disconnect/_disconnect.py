@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 
-from ._aio import DONE, Resume, as_coroutine, join, shielded, step_as, wait_bounded
+from ._aio import Resume, as_coroutine, join, shielded, wait_bounded
 from ._backends import MemoryBackend
 from ._contract import (
     METERED_ATTRIBUTE,
@@ -76,6 +76,7 @@ logger = logging.getLogger("asgi_disconnect")
 
 _DISCONNECT: Message = {"type": "http.disconnect"}
 _COROUTINE = types.CoroutineType
+_Task = asyncio.Task
 _GENERATION_HEADER = b"x-generation-id"
 _ROUTE_MEMO_SIZE = 4096
 # How long a request cancelled by the server waits for its app to run its finally blocks.
@@ -1217,8 +1218,8 @@ class _Exchange:
             writer = self.writer
             # 1048576 is MESSAGE_BYTES, as a constant: a global costs a lookup per chunk.
             if writer is not None and writer.direct and more_body and 0 < size <= 1048576:
-                # The hot path, one chunk of a stream whose client keeps up: append it to
-                # the log and hand the app's own message to the server as the writer.
+                # The hot path (eager sends), one chunk of a stream whose client keeps up:
+                # append it to the log and hand the app's own message to the server.
                 # Generation.append, inlined: a direct exchange's generation is running.
                 live: Generation = self.generation  # type: ignore[assignment]
                 live.size += size
@@ -1226,32 +1227,38 @@ class _Exchange:
                 chunks.append(body)
                 if live.waiters:
                     live.wake()
-                # ClientWriter.hand, inlined: a plain send (a server's own coroutine) is
-                # stepped as it is, any other as the writer (see _aio).
+                # ClientWriter.hand, inlined: the send starts at once in a task of its own.
                 sending: Any = self.send(message)
-                try:
-                    if writer.plain:
-                        waiting_on = sending.send(None)
-                    else:
-                        sending = as_coroutine(sending)
-                        waiting_on = step_as(writer.task, writer.context, sending, writer.loop)
-                except StopIteration:
-                    writer.sent_index = len(chunks)
-                    self.state.delivered_bytes += size
-                    if writer.note is not None:
-                        writer.note(size)
-                    return
-                except OSError:
-                    writer.lost("client")
-                    return
-                if waiting_on is DONE:
+                if type(sending) is not _COROUTINE:
+                    sending = as_coroutine(sending)
+                task = _Task(sending, loop=writer.loop, context=writer.context, eager_start=True)  # type: ignore[call-arg]
+                if not task.done():
+                    writer.wait_for(task, message, size, len(chunks))
+                elif task.exception() is None:
                     writer.sent_index = len(chunks)
                     self.state.delivered_bytes += size
                     if writer.note is not None:
                         writer.note(size)
                 else:
-                    writer.wait_for(sending, waiting_on, message, size, len(chunks))
+                    writer.took(task, message, size, len(chunks))
                 return
+            if writer is not None and more_body and 0 < size <= 1048576 and not self.client_gone:
+                # The hot path (the writer task sends), one chunk of a stream: append it to
+                # the log and wake the writer, or wait for a client far behind to read.
+                live = self.generation  # type: ignore[assignment]
+                if live.running:
+                    live.size += size
+                    live.chunks.append(body)
+                    if live.waiters:
+                        live.wake()
+                    waiter = writer.waiter
+                    if waiter is not None and not waiter.done():
+                        writer.latest = message
+                        writer.waiter = None
+                        waiter.set_result(None)
+                    elif live.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
+                        await writer.room(self.mw.max_lag_bytes // 2)
+                    return
             await self._body(message, body, more_body, writer)
         elif kind == "http.response.start":
             await self._response_start(message)
@@ -1291,7 +1298,9 @@ class _Exchange:
         if writer is not None:
             if writer.direct:
                 writer.pump()
-            elif generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
+                return
+            writer.wake()
+            if generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
                 # The client reads, slower than the app produces: the app waits for it,
                 # so memory stays bounded. A client that stops is lagging (the writer's
                 # deadline), and then the policy applies.
@@ -1465,8 +1474,7 @@ class _Exchange:
             writer.end_response = False
             self._forget_watch()  # the server sends the file: its bytes are not counted here
         writer.queue(message, after_end=self.body_ended and kind != "http.response.pathsend")
-        if writer.direct:
-            writer.pump()
+        writer.pump()
 
     def _open_writer(self) -> ClientWriter:
         generation = self.generation

@@ -1,11 +1,15 @@
 """The client writer: hands a generation's log to the server's ``send``, in order.
 
 The producer (the app's ``send``) appends to the log and returns; it never waits on the
-client. While the client keeps up, the writer is idle and the producer steps each send
-itself *as the writer* (:func:`step_as`), which costs no task switch; a send that waits is
-finished by the writer task, and everything produced meanwhile follows from the log. A send
-that has not finished after ``max_lag_seconds``, or a log that runs ``max_lag_bytes`` ahead of
-the client, reports the client as lagging.
+client. The writer task hands the log to the server. On Python 3.12 and later, while the
+client keeps up, a send is started at once in a task of its own (asyncio's eager start,
+:data:`EAGER_SENDS`): most finish in that first step, which costs one ``Task`` and no task
+switch; one that waits is awaited by the writer task, and everything produced meanwhile
+follows from the log. On 3.11 the producer wakes the writer task, which sends what waits.
+Either way a send runs in a task that awaits it to its end, so a timeout or a cancel scope
+inside the server's ``send`` binds to that task, never to the producer. A send that has not
+finished after ``max_lag_seconds``, or a log that runs ``max_lag_bytes`` ahead of the client,
+reports the client as lagging.
 
 Messages other than start and body keep their place: each is queued behind the chunks
 produced before it (``http.response.trailers`` behind the final body,
@@ -17,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import enum
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
-from ._aio import DONE, Resume, as_coroutine, binds_nothing, step_as
+from ._aio import Resume, as_coroutine
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -30,7 +36,15 @@ if TYPE_CHECKING:
     from ._log import Generation
     from ._transport import ConnectionWatch
 
-__all__ = ["ClientWriter", "Delivery"]
+__all__ = ["EAGER_SENDS", "ClientWriter", "Delivery"]
+
+EAGER_SENDS = sys.version_info >= (3, 12)
+"""Whether a send is started at once in a task of its own (``Task(..., eager_start=True)``,
+Python 3.12+) while the client keeps up; else the writer task sends everything. Both ways
+keep the same order, deadlines and outcomes (tests run both)."""
+
+_Task = asyncio.Task
+_COROUTINE = types.CoroutineType
 
 
 class Delivery(enum.Enum):
@@ -65,8 +79,8 @@ MESSAGE_BYTES = 1 << 20
 
 # A queued message: (chunks sent before it, queued after the final body?, message).
 _Extra = tuple[int, bool, "Message"]
-# A send in progress: (coroutine, what it waits on, message, body size, chunks sent after).
-_Pending = tuple[Any, Any, "Message", int, int]
+# A send in progress: (its task, message, body size, chunks sent after).
+_Pending = tuple["asyncio.Task[Any]", "Message", int, int]
 
 
 class ClientWriter:
@@ -76,11 +90,11 @@ class ClientWriter:
         "_pending",
         "_room",
         "_room_behind",
-        "_waiter",
         "closing",
         "context",
         "delivery",
         "direct",
+        "eager",
         "end_response",
         "end_sent",
         "error",
@@ -88,17 +102,18 @@ class ClientWriter:
         "extras",
         "generation",
         "lag_timer",
+        "latest",
         "loop",
         "max_lag_seconds",
         "note",
         "on_done",
         "on_lost",
-        "plain",
         "send",
         "send_started",
         "sent_index",
         "state",
         "task",
+        "waiter",
         "watch",
     )
 
@@ -115,8 +130,7 @@ class ClientWriter:
         sent_index: int = 0,
     ) -> None:
         self.send = send
-        # A send that binds nothing is stepped as it is, in the producer's task (see _aio).
-        self.plain = binds_nothing(send)
+        self.eager = EAGER_SENDS
         self.generation = generation
         self.state = state
         self.max_lag_seconds = max_lag_seconds
@@ -130,20 +144,24 @@ class ClientWriter:
         # Set by the exchange once the app ended: nothing more will be produced.
         self.closing = False
         self.extras: list[_Extra] = []
+        # The app's last body message, when the exchange handed it to the writer task: sent
+        # as it is if it is all that waits.
+        self.latest: Message | None = None
         self.error: BaseException | None = None
         self.send_started = 0.0
         self.lag_timer: asyncio.TimerHandle | None = None
         self._pending: _Pending | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        self.waiter: asyncio.Future[None] | None = None
         self._room: asyncio.Future[None] | None = None
         self._room_behind = 0
-        # The writer's task runs in a context of its own; sends stepped as the writer too.
+        # The writer's task runs in a context of its own; eager sends' tasks too.
         self.context = contextvars.copy_context()
         self.loop = asyncio.get_running_loop()
         self.task: asyncio.Task[None] = self.loop.create_task(self._run(), context=self.context)
         self.task.add_done_callback(on_done)
-        # True while the producer may step sends itself: the writer is idle and caught up.
-        self.direct = True
+        # True while the producer may start sends itself (eager): the writer is idle and
+        # caught up.
+        self.direct = self.eager
         # The connection's transport, when watched: each body message handed is noted.
         self.watch: ConnectionWatch | None = None
         self.note: Callable[[int], None] | None = None  # watch.sizes.append
@@ -157,33 +175,33 @@ class ClientWriter:
     # -- the producer's side ------------------------------------------------------------
 
     def hand(self, message: Message, size: int, count: int) -> None:
-        """Send ``message`` (in the log up to chunk ``count``) as the writer; the exchange
-        inlines this for a body chunk that is not the last."""
+        """Start sending ``message`` (in the log up to chunk ``count``) in a task of its own,
+        eagerly; the exchange inlines this for a body chunk that is not the last."""
         if self._ends(message):
             self.move(_FINAL)
         sending: Any = self.send(message)
-        try:
-            if self.plain:
-                waiting_on = sending.send(None)
-            else:
-                sending = as_coroutine(sending)
-                waiting_on = step_as(self.task, self.context, sending, self.loop)
-        except StopIteration:
-            waiting_on = DONE
-        except OSError:
-            self.lost("client")
-            return
-        if waiting_on is DONE:
-            self._sent(message, size, count)
-            return
-        self.wait_for(sending, waiting_on, message, size, count)
+        if type(sending) is not _COROUTINE:
+            sending = as_coroutine(sending)
+        task = _Task(sending, loop=self.loop, context=self.context, eager_start=True)  # type: ignore[call-arg]
+        if task.done():
+            self.took(task, message, size, count)
+        else:
+            self.wait_for(task, message, size, count)
 
-    def wait_for(
-        self, sending: Any, waiting_on: Any, message: Message, size: int, count: int
-    ) -> None:
-        """A send stepped as the writer waits: the writer task finishes it."""
+    def took(self, task: asyncio.Task[Any], message: Message, size: int, count: int) -> None:
+        """An eager send finished in its first step: its outcome, as the writer's would be."""
+        exc = task.exception()
+        if exc is None:
+            self._sent(message, size, count)
+        elif isinstance(exc, OSError):
+            self.lost("client")
+        else:
+            raise exc
+
+    def wait_for(self, task: asyncio.Task[Any], message: Message, size: int, count: int) -> None:
+        """An eager send waits: the writer task awaits it to its end."""
         self.direct = False
-        self._pending = (sending, waiting_on, message, size, count)
+        self._pending = (task, message, size, count)
         self.wake()
 
     def queue(self, message: Message, *, after_end: bool) -> None:
@@ -192,7 +210,11 @@ class ClientWriter:
         self.extras.append((len(self.generation.chunks), after_end, message))
 
     def pump(self) -> None:
-        """Hand over what waits, from the caller's task, while the client takes it at once."""
+        """Hand over what waits, eagerly while the client takes it at once; else the writer
+        task does."""
+        if not self.eager:
+            self.wake()
+            return
         while self.direct:
             pending = self._next()
             if pending is None:
@@ -202,8 +224,9 @@ class ClientWriter:
             self.wake()
 
     def wake(self) -> None:
-        waiter = self._waiter
+        waiter = self.waiter
         if waiter is not None and not waiter.done():
+            self.waiter = None
             waiter.set_result(None)
 
     def lost(self, reason: str) -> None:
@@ -217,6 +240,9 @@ class ClientWriter:
         self.on_lost(reason)
 
     def stop(self) -> None:
+        pending = self._pending
+        if pending is not None:
+            pending[0].cancel()  # a send not yet awaited by the writer task
         if not self.task.done() and self.task is not asyncio.current_task():
             self.task.cancel()
         if self.lag_timer is not None:
@@ -233,6 +259,8 @@ class ClientWriter:
         count = len(generation.chunks)
         index = self.sent_index
         extras = self.extras
+        if index == count and not extras and generation.running:
+            return None  # caught up
         if extras:
             at, after_end, extra = extras[0]
             if at <= index and (self.end_sent or not after_end):
@@ -318,38 +346,70 @@ class ClientWriter:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        generation = self.generation
+        chunks = generation.chunks
         try:
             while True:
                 pending = self._pending
                 if pending is not None:
-                    self._pending = None
-                    await self._finish(pending, None)
+                    task, message, size, count = pending
+                    self._arm(loop)
+                    try:
+                        await task
+                    finally:
+                        self._pending = None
+                    self._disarm()
+                    self._sent(message, size, count)
                     continue
-                following = self._next()
+                latest = self.latest
+                index = self.sent_index
+                if latest is not None:
+                    # Woken for one chunk: the app's own message, if that is all that waits.
+                    self.latest = None
+                    if (
+                        index + 1 == len(chunks)
+                        and chunks[index] is latest["body"]
+                        and not self.extras
+                        and self.delivery is _OPEN
+                    ):
+                        following: tuple[Message, int, int] | None = (
+                            latest,
+                            len(latest["body"]),
+                            index + 1,
+                        )
+                    else:
+                        following = self._next()
+                elif index == len(chunks) and not self.extras and generation.running:
+                    following = None  # caught up
+                else:
+                    following = self._next()
                 if following is not None:
                     message, size, count = following
-                    if self._ends(message):
+                    if message is not latest and self._ends(message):
                         self.move(_FINAL)
-                    self._arm(loop)
-                    await self.send(message)
-                    self._disarm()
+                    # Stepped by hand, in this task: the lag deadline is armed only for a
+                    # send that waits.
+                    sending: Any = self.send(message)
+                    if type(sending) is not _COROUTINE:
+                        sending = as_coroutine(sending)
+                    try:
+                        waiting_on = sending.send(None)
+                    except StopIteration:
+                        pass
+                    else:
+                        self._arm(loop)
+                        await Resume(sending, waiting_on)
+                        self._disarm()
                     self._sent(message, size, count)
                     continue
                 if self.delivery is not _OPEN or self.closing:
                     return
-                self.direct = True
-                waiter = self._waiter = loop.create_future()
+                self.direct = self.eager
+                waiter = self.waiter = loop.create_future()
                 try:
                     await waiter
-                except asyncio.CancelledError as exc:
-                    pending = self._pending
-                    if pending is None:
-                        raise
-                    # Aimed at the send stepped as this task (its own timeout, say).
-                    self._pending = None
-                    await self._finish(pending, exc)
                 finally:
-                    self._waiter = None
+                    self.waiter = None
         except OSError:
             self.lost("client")
         except asyncio.CancelledError:
@@ -362,14 +422,11 @@ class ClientWriter:
             self.direct = False
             self._free_room()
             self._disarm()
-
-    async def _finish(self, pending: _Pending, throw: BaseException | None) -> None:
-        sending, waiting_on, message, size, count = pending
-        self.direct = False
-        self._arm(asyncio.get_running_loop())
-        await Resume(sending, waiting_on, throw)
-        self._disarm()
-        self._sent(message, size, count)
+            timer = self.lag_timer
+            if timer is not None:
+                # It holds the writer, and through it the log, until it fires.
+                self.lag_timer = None
+                timer.cancel()
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         self.send_started = loop.time()

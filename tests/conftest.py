@@ -4,6 +4,7 @@ import asyncio
 import logging
 import os
 import secrets
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,39 @@ def provider(request: pytest.FixtureRequest) -> Iterator[FakeProvider]:
         options.update(marker.kwargs)
     with FakeProvider(**options) as fake:
         yield fake
+
+
+# The modules that drive the client writer in every shape: on Python 3.12+ each of their
+# tests runs twice, with sends started eagerly in tasks of their own and with the writer
+# task sending everything (3.11's only way), to show the fast path behaves as the plain one.
+SEND_MODULES = {
+    "tests.unit.test_contract",
+    "tests.unit.test_disconnect",
+    "tests.unit.test_framework_compat",
+    "tests.unit.test_inline",
+    "tests.unit.test_keep_alive",
+    "tests.unit.test_reliability",
+    "tests.unit.test_stop",
+}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if (
+        "sends" in metafunc.fixturenames
+        and metafunc.module.__name__ in SEND_MODULES
+        and sys.version_info >= (3, 12)
+    ):
+        metafunc.parametrize("sends", ["eager", "writer"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def sends(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the client writer starts sends in this test: ``eager`` (3.12+) or ``writer``."""
+    from asgi_disconnect import _writer
+
+    mode = getattr(request, "param", "eager" if _writer.EAGER_SENDS else "writer")
+    monkeypatch.setattr(_writer, "EAGER_SENDS", mode == "eager")
+    return str(mode)
 
 
 @pytest.fixture(autouse=True)

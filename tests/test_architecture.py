@@ -10,8 +10,7 @@
 - ``upstream`` reaches the request only through the contract: it imports no middleware, no
   store and not the live log (it may use the stream parser, ``metering``, which imports
   none of them);
-- no module imports another library's private names (``x._y``, ``from x import _y``), but
-  those in ``STILL_PRIVATE``.
+- no module imports another library's private names (``x._y``, ``from x import _y``).
 
 Every import counts: relative or absolute, at module level, under ``if TYPE_CHECKING:``
 or inside a function; and so do imports reached through other modules of the package,
@@ -171,7 +170,7 @@ def test_the_import_graph_follows_the_architecture() -> None:
 def test_every_named_module_exists() -> None:
     modules = set(module_names(ROOT))
     named = {name for names in MIDDLEWARES.values() for name in names} | CONTRACT_SIDE
-    named |= {LIVE_LOG, UPSTREAM} | POLICY_MODULES | STILL_PRIVATE
+    named |= {LIVE_LOG, UPSTREAM} | POLICY_MODULES
     missing = {name for name in named if f"{PACKAGE}.{name}" not in modules}
     assert not missing, f"the rules name modules that are gone: {sorted(missing)}"
 
@@ -312,22 +311,6 @@ PRIVATE_ATTRIBUTES = {
     "co_consts",
     "co_freevars",
 }
-# The internals the package still uses, by module: the rebuilt per-request core takes them
-# out (``_aio.step_as`` and ``binds_nothing``). None may be added; one taken out is taken off
-# this list.
-STILL_TO_REMOVE = {
-    ("_aio.py", "__closure__"),
-    ("_aio.py", "__code__"),
-    ("_aio.py", "__module__"),
-    ("_aio.py", "_current_tasks"),
-    ("_aio.py", "_enter_task"),
-    ("_aio.py", "_leave_task"),
-    ("_aio.py", "cell_contents"),
-    ("_aio.py", "co_consts"),
-    ("_aio.py", "co_freevars"),
-}
-
-
 # Names with a leading underscore that are documented API: a named tuple's methods.
 DOCUMENTED = {"_asdict", "_field_defaults", "_fields", "_make", "_replace"}
 
@@ -410,8 +393,7 @@ def test_other_libraries_private_internals_are_only_the_known_ones() -> None:
         for path in sorted(ROOT.rglob("*.py"))
         for name in private_internals(path.read_text("utf-8"), own)
     }
-    assert found - STILL_TO_REMOVE == set(), "new private internals of another library"
-    assert STILL_TO_REMOVE - found == set(), "taken out: take them off STILL_TO_REMOVE"
+    assert found == set(), f"private internals of another library: {sorted(found)}"
 
 
 @pytest.mark.parametrize(
@@ -434,11 +416,6 @@ def test_a_private_internal_is_found_however_it_is_reached(source: str, expected
 
 
 # -- other libraries' private names, imported ----------------------------------------------
-
-# Modules that may still import another library's private names, while they are rewritten:
-# ``_aio``, which the rebuilt per-request core rewrites to use asyncio's public API only.
-# Every other module is held to the rule; none may be added, and one rewritten is taken off.
-STILL_PRIVATE = {"_aio"}
 
 
 def _foreign(module: str) -> bool:
@@ -471,7 +448,6 @@ def test_no_module_imports_another_librarys_private_names() -> None:
     found = [
         f"{short(name)}:{line}: {statement}"
         for name, path in module_names(ROOT).items()
-        if short(name) not in STILL_PRIVATE
         for line, statement in private_imports(path.read_text("utf-8"))
     ]
     assert not found, "imports of another library's private names:\n" + "\n".join(found)

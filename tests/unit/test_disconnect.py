@@ -540,37 +540,6 @@ def test_the_hot_path_spells_the_message_limit_as_the_writers() -> None:
     assert MESSAGE_BYTES in _Exchange.app_send.__code__.co_consts
 
 
-async def test_a_servers_own_send_behind_starlettes_error_middleware_binds_nothing() -> None:
-    from starlette.middleware.errors import ServerErrorMiddleware
-
-    from asgi_disconnect._aio import binds_nothing
-
-    class Cycle:  # stands for uvicorn's RequestResponseCycle
-        async def send(self, message: Any) -> None:
-            pass
-
-    Cycle.__module__ = "uvicorn.protocols.http.h11_impl"
-    seen: list[Any] = []
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        seen.append(send)
-
-    async def receive() -> Any:
-        return {"type": "http.request"}
-
-    scope = {"type": "http", "headers": [], "method": "GET", "path": "/"}
-    await ServerErrorMiddleware(app)(scope, receive, Cycle().send)
-
-    async def wrapper(message: Any) -> None:  # any other wrapper may bind to its task
-        pass
-
-    await ServerErrorMiddleware(app)(scope, receive, wrapper)
-    assert binds_nothing(Cycle().send)
-    assert binds_nothing(seen[0])
-    assert not binds_nothing(seen[1])
-    assert not binds_nothing(wrapper)
-
-
 async def test_the_lag_deadline_acts_at_max_lag_seconds_for_the_send_that_waits() -> None:
     """A client that reads slowly once, then stops: the send that stalls is judged by its
     own deadline, not by a timer set for the first slow send (which let it run 1.5 times
