@@ -2,7 +2,7 @@
 
 The flow of one request (see docs/architecture.md)::
 
-    receive ──> watcher ──> inbox ──> app_receive        (one reader of the client)
+    receive ──> RequestReader ──> the app's receive    (one reader of the client)
     app ──> app_send ──> generation log ──> ClientWriter ──> server send
                           └──> backend (durable copy), resume readers, metering
 
@@ -18,7 +18,6 @@ import logging
 import re
 import sys
 import types
-from collections import deque
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
@@ -38,6 +37,7 @@ from ._lifecycle import lifecycle_of
 from ._log import Generation
 from ._policy import Policy, PolicySource, check_source, resolve_policy, route_policy
 from ._problem import send_problem
+from ._reader import RequestReader
 from ._records import Status
 from ._resume import (
     DRAINED,
@@ -74,7 +74,6 @@ def _ignore_loss(reason: str) -> None:
 
 logger = logging.getLogger("asgi_disconnect")
 
-_DISCONNECT: Message = {"type": "http.disconnect"}
 _COROUTINE = types.CoroutineType
 _Task = asyncio.Task
 _GENERATION_HEADER = b"x-generation-id"
@@ -518,34 +517,25 @@ class _Exchange:
         "delivery",
         "drained",
         "expect_trailers",
-        "gate",
         "generation",
         "head",
         "held",
         "held_body",
-        "inbox",
-        "inbox_waiter",
         "interrupt_reason",
         "keep_alive_handle",
         "keep_alive_seen",
         "mw",
         "observe",
         "passthrough",
-        "receive",
-        "receive_error",
+        "reader",
         "request_task",
         "scope",
         "send",
         "settling",
         "state",
         "stopped",
-        "taken_waiter",
         "trailers_ended",
-        "wake_reason",
         "watch",
-        "watcher",
-        "watching",
-        "woken",
         "writer",
     )
 
@@ -559,12 +549,9 @@ class _Exchange:
     ) -> None:
         self.mw = mw
         self.scope = scope
-        self.receive = receive
+        self.reader = RequestReader(receive, self)
         self.send = send
         self.state = state
-        self.inbox: deque[Message] | None = None
-        self.inbox_waiter: asyncio.Future[None] | None = None
-        self.taken_waiter: asyncio.Future[None] | None = None
         self.request_task: asyncio.Task[Any] | None = None
         self.app_task: asyncio.Task[None] | None = None
         self.writer: ClientWriter | None = None
@@ -586,15 +573,6 @@ class _Exchange:
         # None while the app runs, then "returned", "failed", "cancelled" or "interrupted";
         # written once, by app_ended.
         self.app_outcome: str | None = None
-        self.watching = False
-        self.woken = False
-        self.wake_reason: str | None = None
-        self.watcher: asyncio.Task[Any] | None = None
-        # What the server's receive raised (a body limit outside): the app's receive raises it.
-        self.receive_error: Exception | None = None
-        # Supervised, with a request body: resolved when the app first asks for a message
-        # or starts its response; the watcher reads nothing before.
-        self.gate: asyncio.Future[None] | None = None
         self.cancelled_by_policy = False
         self.interrupt_reason = "interrupted before it finished"
         # Metering's observer (RequestState.observe), taken at the response start.
@@ -703,6 +681,7 @@ class _Exchange:
                 return
             self._settled(watch, None)
         self.mw._running.pop(self.state.generation_id, None)
+        self.reader.unlink()
         self.state.finish(ending)
 
     def _settled(self, watch: ConnectionWatch, ending: Ending | None) -> None:
@@ -805,7 +784,7 @@ class _Exchange:
         state = self.state
         current_state.set(state)
         send = state.app_send = self.app_send
-        app: Any = self.mw.app(self.scope, self.app_receive, send)
+        app: Any = self.mw.app(self.scope, self.reader.take, send)
         if type(app) is not _COROUTINE:  # an awaitable that is not a coroutine
             app = as_coroutine(app)
         failure: BaseException | None = None
@@ -818,7 +797,7 @@ class _Exchange:
                 # The app waits on something: watch the client meanwhile. An app that
                 # never waits needs no watcher.
                 self.request_task = asyncio.current_task()
-                self._start_watcher()
+                self.start_watcher()
                 await Resume(app, waiting_on)
         except asyncio.CancelledError as exc:
             failure = exc
@@ -870,16 +849,17 @@ class _Exchange:
             self._finish()
 
     def _stop_watcher(self) -> None:
-        watcher = self.watcher
-        if watcher is not None and not watcher.done() and not self.state.detached:
-            watcher.cancel()
+        if not self.state.detached:
+            self.reader.stop()
 
-    def _start_watcher(self) -> None:
-        if self.watcher is None and not self._delivered():
-            self.watcher = asyncio.get_running_loop().create_task(self._watch_inline())
+    def start_watcher(self) -> None:
+        """Watch the client from a task of its own while the app runs in the request's."""
+        reader = self.reader
+        if reader.task is None and not self.handed():
+            reader.task = asyncio.get_running_loop().create_task(self._watch_inline())
 
     async def _watch_inline(self) -> None:
-        reason = await self._watch()
+        reason = await self.reader.watch()
         if reason in ("client", "lag", "error", "silent"):
             await self._client_lost(reason)
 
@@ -887,17 +867,16 @@ class _Exchange:
 
     async def run_supervised(self) -> None:
         mw = self.mw
-        self.request_task = self.watcher = asyncio.current_task()
+        reader = self.reader
+        self.request_task = reader.task = asyncio.current_task()
         if _has_body(self.scope):
-            # Its body is read when the app asks for it, not before: a body size limit
-            # outside applies the limit routing set (a route's own), not the app's.
-            self.gate = asyncio.get_running_loop().create_future()
+            reader.hold_body()
         app_task = self.app_task = mw.supervisor.spawn(self.run_app())
         # A drain reaches it before its response starts too (then it answers 503).
         mw._running[self.state.generation_id] = self
         app_task.add_done_callback(self._part_done)
         try:
-            reason = await self._watch()
+            reason = await reader.watch()
         except asyncio.CancelledError:
             # The server cancelled the request (shutdown, a disconnect under hypercorn, an
             # outer timeout): for this response the client is gone.
@@ -952,92 +931,22 @@ class _Exchange:
         app_task.cancel()
         await _teardown(app_task)
 
-    async def _watch(self) -> str:
-        receive = self.receive
-        self.watching = True
-        try:
-            gate = self.gate
-            if gate is not None:
-                await gate
-            while True:
-                try:
-                    message = await receive()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    await self._refused(exc)
-                kind = message["type"]
-                if kind == "http.request":
-                    inbox = self.inbox
-                    if inbox is None:
-                        inbox = self.inbox = deque()
-                    inbox.append(message)
-                    waiter = self.inbox_waiter
-                    if waiter is not None:
-                        self.inbox_waiter = None
-                        if not waiter.done():
-                            waiter.set_result(None)
-                    if message.get("more_body", False) and inbox:
-                        # Read the next part only once the app took this one: keep backpressure.
-                        self.taken_waiter = asyncio.get_running_loop().create_future()
-                        await self.taken_waiter
-                elif kind == "http.disconnect":
-                    writer = self.writer
-                    delivery = writer.delivery if writer is not None else self.delivery
-                    if delivery is _FINAL or delivery is _DONE:
-                        return "complete"
-                    return "client"
-        except asyncio.CancelledError as exc:
-            if not self.woken:
-                raise
-            self.woken = False
-            task = self.watcher
-            if task is not None and task.uncancel() > 0:
-                raise
-            # Our own wake-up, handled: its traceback holds the frames that hold the
-            # cancelled future that holds it; let reference counting free them.
-            exc.__traceback__ = None
-            assert self.wake_reason is not None
-            return self.wake_reason
-        finally:
-            self.watching = False
-
-    def _open_gate(self) -> None:
-        gate, self.gate = self.gate, None
-        if gate is not None and not gate.done():
-            gate.set_result(None)
-
-    async def _refused(self, exc: Exception) -> NoReturn:
-        """What is outside refused the request's body (a body size limit raises in its
-        ``receive``): the app's next receive raises it, as without this middleware, and
-        the watcher reads no more until the exchange is over."""
-        self.receive_error = exc
-        waiter = self.inbox_waiter
-        if waiter is not None:
-            self.inbox_waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-        await asyncio.get_running_loop().create_future()  # until the exchange wakes it
-        raise AssertionError("unreachable")
-
-    def _wake(self, reason: str) -> None:
-        """Stop the watcher's read of ``receive`` and tell it why."""
-        if self.wake_reason is None:
-            self.wake_reason = reason
-        if self.watching and not self.woken and self.watcher is not None:
-            self.woken = True
-            self.watcher.cancel()
-
     def _part_done(self, _: asyncio.Task[Any]) -> None:
         app_task = self.app_task
         writer = self.writer
         if app_task is not None and app_task.done() and (writer is None or writer.task.done()):
-            self._wake("complete" if self._delivered() else "done")
+            self.reader.wake("complete" if self.handed() else "done")
             self._finish()
 
-    def _delivered(self) -> bool:
+    def handed(self) -> bool:
+        """The whole response went to the server."""
         writer = self.writer
         return (writer.delivery if writer is not None else self.delivery) is _DONE
+
+    def hears_disconnect(self) -> bool:
+        """The app's next ``receive`` answers ``http.disconnect``: its response went whole,
+        or its client left and it did not detach."""
+        return self.handed() or (self.client_gone and not self.state.detached)
 
     async def _join_writer(self) -> None:
         """Wait for the writer to hand over the rest, within the lag deadline."""
@@ -1074,7 +983,7 @@ class _Exchange:
             state.disconnected.set()
             state.note("client_disconnect")
             mw.counters.disconnects += 1
-        if runner.done() or self._delivered():
+        if runner.done() or self.handed():
             return
         # A server that refused a send broke the response: the work stops as under cancel.
         policy = Policy.CANCEL if reason == "error" else mw.resolve(self.scope)
@@ -1105,9 +1014,7 @@ class _Exchange:
     def _cancel(self, runner: asyncio.Task[Any]) -> None:
         """Cancel the app's task, waking it if it waits for the request's body."""
         runner.cancel()
-        waiter = self.inbox_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self.reader.release()
 
     def stop(self) -> bool:
         """Stop the work on its owner's request: as a disconnect under the cancel policy,
@@ -1161,7 +1068,7 @@ class _Exchange:
         current_state.set(state)
         send = state.app_send = self.app_send
         try:
-            await self.mw.app(self.scope, self.app_receive, send)
+            await self.mw.app(self.scope, self.reader.take, send)
         except asyncio.CancelledError as exc:
             self.app_ended(exc)
             task = asyncio.current_task()
@@ -1181,30 +1088,6 @@ class _Exchange:
                 self.app_error = exc
         else:
             self.app_ended(None)
-
-    async def app_receive(self) -> Message:
-        gate = self.gate
-        if gate is not None:
-            self._open_gate()
-        while True:
-            inbox = self.inbox
-            if inbox:
-                message = inbox.popleft()
-                waiter = self.taken_waiter
-                if waiter is not None:
-                    self.taken_waiter = None
-                    if not waiter.done():
-                        waiter.set_result(None)
-                return message
-            if self.receive_error is not None:
-                raise self.receive_error
-            if self._delivered() or (self.client_gone and not self.state.detached):
-                return _DISCONNECT
-            if self.watcher is None:
-                self._start_watcher()
-            # Under detach the app never hears of the disconnect: it would stop itself.
-            waiter = self.inbox_waiter = asyncio.get_running_loop().create_future()
-            await waiter
 
     async def app_send(self, message: Message) -> None:
         kind = message["type"]
@@ -1335,8 +1218,9 @@ class _Exchange:
         self.body_ended = True
 
     async def _response_start(self, message: Message) -> None:
-        if self.gate is not None:
-            self._open_gate()  # the body is not asked for now: watch for the client
+        reader = self.reader
+        if reader.gate is not None:
+            reader.open_gate()  # the body is not asked for now: watch for the client
         observe = self.state.observe
         if observe is not None:
             observe(message)
@@ -1529,7 +1413,7 @@ class _Exchange:
 
     def _writer_lost(self, reason: str) -> None:
         self.client_gone = True
-        self._wake(reason)
+        self.reader.wake(reason)
 
     def _start(self, message: Message) -> Message:
         """Open the generation; return the start message with ``x-generation-id`` added."""
@@ -1568,7 +1452,7 @@ class _Exchange:
         self.client_gone = True
         if self.delivery is not _DONE:
             self.delivery = _GONE
-        self._wake(reason)
+        self.reader.wake(reason)
 
     async def _send_whole(self, message: Message, size: int) -> None:
         """Send the whole response, one message, as the app gave it, from the producer's own
@@ -1589,7 +1473,7 @@ class _Exchange:
         except TimeoutError:
             self.delivery = _GONE
             self.client_gone = True
-            self._wake("lag")
+            self.reader.wake("lag")
             return
         except OSError:
             self._client_went_away()
