@@ -14,6 +14,7 @@ in one place, :meth:`_Exchange.app_ended`, whichever task ran the app.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import re
 import sys
@@ -126,6 +127,38 @@ class Counters:
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
+
+
+class Stage(enum.Enum):
+    """Where one request's exchange stands; :data:`MOVES` lists the moves it allows."""
+
+    RUNNING = "running"
+    """The app runs; its client is there (or its response went whole)."""
+    DETACHED = "detached"
+    """The client left and the route detaches: the app runs on, owned by the process."""
+    CANCELLING = "cancelling"
+    """The app is being cancelled: its client left under cancel, its owner stopped it, a
+    drain's deadline came, the server refused a send or cancelled the request."""
+    SETTLING = "settling"
+    """The app is over; the client's TCP has yet to acknowledge the rest it was handed."""
+    ENDED = "ended"
+    """The outcome is published (``RequestState.finish``); a Stop no longer reaches it."""
+
+
+_RUNNING = Stage.RUNNING
+_DETACHED = Stage.DETACHED
+_CANCELLING = Stage.CANCELLING
+_SETTLING = Stage.SETTLING
+_ENDED = Stage.ENDED
+
+MOVES: dict[Stage, frozenset[Stage]] = {
+    _RUNNING: frozenset({_DETACHED, _CANCELLING, _SETTLING, _ENDED}),
+    _DETACHED: frozenset({_CANCELLING, _SETTLING, _ENDED}),
+    _CANCELLING: frozenset({_SETTLING, _ENDED}),
+    _SETTLING: frozenset({_ENDED}),
+    _ENDED: frozenset(),
+}
+"""Each stage's next stages; any other move is a bug, raised naming both stages."""
 
 
 class DisconnectMiddleware:
@@ -531,7 +564,7 @@ class _Exchange:
         "request_task",
         "scope",
         "send",
-        "settling",
+        "stage",
         "state",
         "stopped",
         "trailers_ended",
@@ -583,7 +616,13 @@ class _Exchange:
         self.keep_alive_handle: asyncio.TimerHandle | None = None
         # The connection's transport, watched from the first body message (see _transport).
         self.watch: ConnectionWatch | None = None
-        self.settling = False  # over, waiting for its client's TCP to acknowledge the rest
+        self.stage = _RUNNING
+
+    def move(self, to: Stage) -> None:
+        """Move the exchange on; a move :data:`MOVES` does not allow raises, naming both."""
+        if to not in MOVES[self.stage]:
+            raise RuntimeError(f"the exchange cannot go from {self.stage.value} to {to.value}")
+        self.stage = to
 
     # -- how it ended: one mapping for every path -------------------------------------
 
@@ -651,7 +690,8 @@ class _Exchange:
         ):
             self._end(_ENDING_DELIVERED)  # a response sent in one piece
             return
-        if state.finished or self.settling:
+        stage = self.stage
+        if stage is _SETTLING or stage is _ENDED:
             return
         handle = self.keep_alive_handle
         if handle is not None:
@@ -669,7 +709,8 @@ class _Exchange:
     def _end(self, ending: Ending) -> None:
         """Record how the exchange ended; a Stop no longer reaches it. A watched response
         ends once its client's TCP acknowledged what it was handed (or died, or closed)."""
-        if self.settling:
+        stage = self.stage
+        if stage is _SETTLING or stage is _ENDED:
             return
         watch = self.watch
         if watch is not None:
@@ -677,9 +718,13 @@ class _Exchange:
             assert transport is not None
             watch.on_dead = None  # over: nothing is left to cancel or detach
             if transport.settle(watch, lambda: self._settled(watch, ending)):
-                self.settling = True
+                self.move(_SETTLING)
                 return
             self._settled(watch, None)
+        self._ended(ending)
+
+    def _ended(self, ending: Ending) -> None:
+        self.move(_ENDED)
         self.mw._running.pop(self.state.generation_id, None)
         self.reader.unlink()
         self.state.finish(ending)
@@ -692,12 +737,11 @@ class _Exchange:
             state.delivered_bytes = min(state.delivered_bytes, watch.acked_body)
             state.delivery = "acked"
         if ending is not None:
-            self.settling = False
-            self._end(ending)
+            self._ended(ending)
 
     def _transport_lost(self) -> None:
         """The client's TCP acknowledged nothing for ``client_timeout``: it is gone."""
-        if self.client_gone or self.state.finished:
+        if self.client_gone or self.stage is _ENDED:
             return
         writer = self.writer
         if writer is not None:
@@ -917,16 +961,24 @@ class _Exchange:
             writer.lost("client")
         if app_task.done():
             return
-        if self.state.detached:
+        stage = self.stage
+        if stage is _DETACHED:
             if not self.mw.supervisor.started:
                 # Without the lifespan protocol the work ends with its request.
+                self.move(_CANCELLING)
                 app_task.cancel()
                 await _teardown(app_task)
             return
-        policy = self.mw.resolve(self.scope) if self.app_outcome is None else Policy.CANCEL
-        if policy is Policy.DETACH and self.mw.owns_detached() and not self.mw.supervisor.stopping:
-            self._detach(policy)
-            return
+        if stage is _RUNNING:
+            policy = self.mw.resolve(self.scope) if self.app_outcome is None else Policy.CANCEL
+            if (
+                policy is Policy.DETACH
+                and self.mw.owns_detached()
+                and not self.mw.supervisor.stopping
+            ):
+                self._detach(policy)
+                return
+            self.move(_CANCELLING)
         # Not detached: stop the app and let its finally blocks run before we return.
         app_task.cancel()
         await _teardown(app_task)
@@ -983,8 +1035,8 @@ class _Exchange:
             state.disconnected.set()
             state.note("client_disconnect")
             mw.counters.disconnects += 1
-        if runner.done() or self.handed():
-            return
+        if runner.done() or self.handed() or self.stage is not _RUNNING:
+            return  # over, or detached or cancelled already
         # A server that refused a send broke the response: the work stops as under cancel.
         policy = Policy.CANCEL if reason == "error" else mw.resolve(self.scope)
         if policy is Policy.DETACH:
@@ -1004,6 +1056,7 @@ class _Exchange:
         if reason != "error":
             mw.counters.cancelled += 1
         state.note("cancelled")
+        self.move(_CANCELLING)
         self.cancelled_by_policy = True
         self._cancel(runner)
         if state.upstreams:
@@ -1020,8 +1073,15 @@ class _Exchange:
         """Stop the work on its owner's request: as a disconnect under the cancel policy,
         whether the client is still reading or the work detached. True if it was running."""
         runner = self.app_task or self.request_task
-        if self.stopped or self.app_outcome is not None or runner is None or runner.done():
+        stage = self.stage
+        if (
+            (stage is not _RUNNING and stage is not _DETACHED)
+            or self.app_outcome is not None
+            or runner is None
+            or runner.done()
+        ):
             return False
+        self.move(_CANCELLING)
         self.stopped = True
         state = self.state
         state.policy = Policy.CANCEL
@@ -1039,8 +1099,15 @@ class _Exchange:
     def drain(self, retry_after: int) -> bool:
         """End the work at a drain's deadline, as interrupted; True if it was running."""
         runner = self.app_task or self.request_task
-        if self.app_outcome is not None or runner is None or runner.done():
+        stage = self.stage
+        if (
+            (stage is not _RUNNING and stage is not _DETACHED)
+            or self.app_outcome is not None
+            or runner is None
+            or runner.done()
+        ):
             return False
+        self.move(_CANCELLING)
         self.drained = retry_after
         self.interrupt_reason = DRAINED
         self.state.note("drained")
@@ -1051,6 +1118,7 @@ class _Exchange:
         return True
 
     def _detach(self, policy: Policy) -> None:
+        self.move(_DETACHED)
         state = self.state
         state.policy = policy
         state.detached = True

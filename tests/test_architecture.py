@@ -478,3 +478,43 @@ def test_no_module_imports_another_librarys_private_names() -> None:
 )
 def test_a_private_import_is_found_however_it_is_written(source: str, expected: list[str]) -> None:
     assert [statement for _, statement in private_imports(source)] == expected
+
+
+# -- the exchange's stages, as docs/architecture.md draws them ------------------------------
+
+
+def documented_moves() -> dict[str, set[str]]:
+    """The table of stages and moves under "States, and who writes them"."""
+    text = (ROOT.parent / "docs" / "architecture.md").read_text("utf-8")
+    section = text.split("## States, and who writes them", 1)[1].split("\n## ", 1)[0]
+    moves: dict[str, set[str]] = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            targets = {name.strip(" `") for name in cells[1].split(",") if name.strip()}
+            moves[cells[0].strip("`")] = targets
+    return moves
+
+
+def test_the_documented_stages_are_the_exchanges() -> None:
+    from asgi_disconnect._disconnect import MOVES, Stage
+
+    code = {stage.value: {to.value for to in moves} for stage, moves in MOVES.items()}
+    assert set(code) == {stage.value for stage in Stage}
+    assert documented_moves() == code
+
+
+def test_a_move_the_table_does_not_allow_raises_naming_both_stages() -> None:
+    from asgi_disconnect._disconnect import MOVES, Stage, _Exchange
+
+    exchange = _Exchange.__new__(_Exchange)
+    for start in Stage:
+        for to in Stage:
+            exchange.stage = start
+            if to in MOVES[start]:
+                exchange.move(to)
+                assert exchange.stage is to
+            else:
+                with pytest.raises(RuntimeError, match=f"from {start.value} to {to.value}"):
+                    exchange.move(to)
+                assert exchange.stage is start

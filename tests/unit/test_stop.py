@@ -7,11 +7,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from asgi_disconnect import (
@@ -24,7 +25,7 @@ from asgi_disconnect import (
 )
 from asgi_disconnect.testing import drive
 from asgi_disconnect.testing._driver import lifespan
-from tests.apps import eventually
+from tests.apps import eventually, http_scope, request_then_disconnect
 
 pytestmark = pytest.mark.anyio
 
@@ -328,3 +329,68 @@ async def test_stopped_idempotent_work_is_not_stored_as_an_answer() -> None:
     assert retry.header("idempotent-replayed") is None
     assert upstream.opened == 2
     assert retry.body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_client_that_leaves_while_its_stop_cancels_the_work_changes_nothing() -> None:
+    """A Stop moves the exchange to ``cancelling``; the client's disconnect that follows,
+    on a route that detaches, does not detach the work it is cancelling: the policy applies
+    once, while the exchange runs."""
+    records: list[UsageRecord] = []
+    streaming = asyncio.Event()
+    cleaning = asyncio.Event()
+
+    class Slow(Response):
+        """Streams until cancelled; then closes its provider's connection, slowly."""
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            headers = [(b"content-type", b"text/event-stream")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            try:
+                while True:
+                    await send({"type": "http.response.body", "body": EVENT, "more_body": True})
+                    streaming.set()
+                    await asyncio.sleep(0.01)
+            finally:
+                cleaning.set()
+                with anyio.CancelScope(shield=True):
+                    await anyio.sleep(0.3)
+
+    @disconnect_policy("detach")
+    async def report(request: Request) -> Response:
+        return Slow()
+
+    app = Starlette(routes=[Route("/report", report)])
+    install(app, backend=MemoryBackend(), sinks=[records.append])
+    gone = asyncio.Event()
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = http_scope("/report", headers=[(b"authorization", b"Bearer alice")])
+    async with lifespan(app):
+        mw = next(m for m in _middlewares(app) if isinstance(m, DisconnectMiddleware))
+        request = asyncio.ensure_future(app(scope, request_then_disconnect(gone), send))
+        await asyncio.wait_for(streaming.wait(), 5)
+        (generation_id,) = {
+            value.decode()
+            for message in sent
+            for name, value in message.get("headers", ())
+            if name == b"x-generation-id"
+        }
+        # The Stop answers once the work ended: the client leaves meanwhile.
+        stopping = asyncio.ensure_future(
+            drive(app, method="POST", path=f"/generations/{generation_id}/cancel", headers=ALICE)
+        )
+        await asyncio.wait_for(cleaning.wait(), 5)
+        gone.set()  # the client leaves while the app's finally block still runs
+        await asyncio.wait_for(request, 5)
+        stop = await stopping
+        assert stop.status == 200
+        assert decoded(stop)["policy"] == "cancel"
+        await eventually(lambda: records)
+    (record,) = records
+    assert record.outcome == "cancelled"
+    assert mw.counters.stopped == 1
+    assert mw.counters.detached == 0
+    assert mw.counters.disconnects == 1
