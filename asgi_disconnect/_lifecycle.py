@@ -4,8 +4,9 @@ The outermost middleware of the package that sees the ``lifespan`` scope creates
 :class:`Lifecycle` and puts it at ``scope["asgi_disconnect"]``; the others find it there and
 register their hooks. At ``lifespan.startup`` the owner runs the startup hooks in order
 (outermost first); a hook that raises makes the server see ``lifespan.startup.failed`` with
-the reason, so it exits instead of serving. At ``lifespan.shutdown`` it runs, before the
-app's own shutdown, the phases in this order:
+the reason, so it exits instead of serving, and then the hook's error is raised from the
+lifespan call. At ``lifespan.shutdown`` it runs, before the app's own shutdown, the phases
+in this order:
 
 1. ``stop_admitting``: new requests are refused (503) — drain plugs in here;
 2. ``finish``: running generations get until the deadline, then are interrupted;
@@ -157,9 +158,12 @@ class Lifecycle:
 
         try:
             await app(scope, lifespan_receive, lifespan_send)
-        except _StartupFailed:
-            if not failed:
+        except _StartupFailed as exc:
+            if not failed or exc.__cause__ is None:
                 raise
+            # Raised after lifespan.startup.failed, as Starlette's router does: a server
+            # that waits for the app to end (TestClient) learns the reason, not a hang.
+            raise exc.__cause__ from None
         finally:
             if self.started and not self.stopped:
                 # The app left the protocol without a shutdown (it raised): still close.

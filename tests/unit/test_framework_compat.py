@@ -4,6 +4,7 @@ idempotency and drain on)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import anyio
@@ -14,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from asgi_disconnect import MemoryBackend, install
+from asgi_disconnect import BackendUnavailable, MemoryBackend, install
 from asgi_disconnect.testing import drive, lifespan
 from tests.apps import Probe, http_scope, request_then_disconnect, sse_app
 
@@ -194,6 +195,32 @@ def test_an_app_served_on_asyncio_then_trio_says_it_runs_on_asyncio_only() -> No
         RuntimeError, match="asyncio only, and this server or test client runs trio"
     ):
         TestClient(app, backend="trio").get("/missing")
+
+
+class UnopenableBackend(MemoryBackend):
+    async def open(self) -> None:
+        raise BackendUnavailable("cannot open the store: it is down")
+
+
+def test_a_failed_startup_is_raised_to_the_test_client_as_bare_starlette_does() -> None:
+    from starlette.testclient import TestClient
+
+    async def failing(app: Starlette) -> Any:
+        raise RuntimeError("the app's own startup failed")
+        yield  # an async generator, as lifespans are
+
+    bare = Starlette(lifespan=contextlib.asynccontextmanager(failing))
+    with pytest.raises(RuntimeError, match="the app's own startup failed"), TestClient(bare):
+        pass
+    # The stack's own startup failing: the reason, where it entered and hung at the exit.
+    app = Starlette()
+    install(app, backend=UnopenableBackend())
+    with pytest.raises(BackendUnavailable, match="it is down"), TestClient(app):
+        pass
+    app = Starlette()
+    install(app, backend=MemoryBackend(), idempotency=True, drain=True)
+    with pytest.raises(RuntimeError, match="asyncio only"), TestClient(app, backend="trio"):
+        pass
 
 
 async def catching(request: Request) -> JSONResponse:
