@@ -22,6 +22,7 @@ from asgi_disconnect.testing import (
     h2_stalled_request,
     request,
     run_server,
+    stalled_request,
 )
 from tests.integration.matrix_app import PLACEMENTS, UPSTREAM_ENV, Placement, make_app
 
@@ -48,7 +49,6 @@ def cells() -> list[ParameterSet]:
         for server in SERVERS
         for placement in PLACEMENTS
     ]
-
 
 
 @contextlib.contextmanager
@@ -115,6 +115,36 @@ async def test_a_full_stream_reaches_the_client_whole(
     assert (result.status, result.stopped_by) == (200, "complete")
     assert result.body == bytes(produced[gid])
     assert info["size"] == len(result.body)
+
+
+def http1_cells() -> list[ParameterSet]:
+    """(server, placement) pairs over HTTP/1.1, where a client can stop reading."""
+    return [cell for cell in cells() if cell.values[0] != "hypercorn-h2"]
+
+
+@pytest.mark.parametrize(("server", "placement"), http1_cells())
+@pytest.mark.provider(tokens=100_000, tokens_per_second=0)
+async def test_a_client_that_stops_reading_is_cancelled_after_max_lag_seconds(
+    provider: FakeProvider, server: ServerName, placement: Placement
+) -> None:
+    """The socket stays open and nothing more is read: after ``max_lag_seconds`` the client
+    counts as gone and the route's policy (cancel) closes the upstream, on every server."""
+    options = {"max_lag_bytes": 256 * 1024, "max_lag_seconds": 1.0, "client_timeout": None}
+    with serve(provider, server, placement, **options) as (srv, _):
+        client = await stalled_request(srv.url + "/in-generator", method="POST", read_bytes=100)
+        try:
+            (upstream,) = await provider.await_requests(1)
+            started = asyncio.get_running_loop().time()
+            assert await upstream.await_closed(timeout=15)
+            waited = asyncio.get_running_loop().time() - started
+            info = await ended(srv, client.headers["x-generation-id"])
+        finally:
+            await client.close()
+    assert info["status"] == "cancelled", info
+    assert upstream.connection_closed_early
+    assert upstream.tokens_sent < upstream.tokens_planned
+    # Not 15 s later (the lag was once checked every 15 s); no timing beyond that is asserted.
+    assert waited < 10, waited
 
 
 @pytest.mark.parametrize(("server", "placement"), cells())
