@@ -1,0 +1,640 @@
+"""The app's side of one response: what its ``send`` does.
+
+A response is a generation or it is not (:func:`kind_of`). A generation's start opens its log
+(with ``x-generation-id``) and its body is appended there; the client writer hands the log to
+the server, and the producer never waits on the client. A JSON response is held until its
+first bytes tell whether it is an LLM API's; anything else passes straight through. Every
+message keeps its place: trailers, ``pathsend`` and unknown types are queued behind the
+chunks produced before them. How a generation that did not complete ends (its status, an
+error frame for an event stream) is decided here too (:meth:`Outbound.record_end`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ._aio import Resume, as_coroutine
+from ._contract import METERED_ATTRIBUTE
+from ._log import Generation
+from ._policy import route_policy
+from ._records import Status
+from ._resume import error_frame, is_event_stream
+from ._writer import MESSAGE_BYTES, ClientWriter, Delivery
+from .metering import is_llm_json
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from starlette.types import Message, Scope, Send
+
+    from ._contract import RequestState
+    from ._disconnect import DisconnectMiddleware
+    from ._reader import RequestReader
+    from ._transport import ConnectionWatch
+
+__all__ = ["Outbound"]
+
+_COROUTINE = types.CoroutineType
+_Task = asyncio.Task
+_KEEP_ALIVE = b": keep-alive\n\n"
+_GENERATION_HEADER = b"x-generation-id"
+_ENDS_BODY = frozenset({"http.response.pathsend", "http.response.trailers"})
+# A JSON response streamed in pieces is judged by its first this many bytes.
+_JUDGE_BYTES = 4096
+# Enum members read on hot paths, bound once (a member lookup costs ~50 ns).
+_DONE = Delivery.DONE
+_FINAL = Delivery.FINAL
+_GONE = Delivery.GONE
+_OPEN = Delivery.OPEN
+_STATUS_COMPLETE = Status.COMPLETE
+_STATUS_FAILED = Status.FAILED
+
+
+def _ends(kind: str, message: Message) -> bool:
+    """Whether ``message`` (not start, not body) ends a response."""
+    if kind == "http.response.pathsend":
+        return True
+    return kind == "http.response.trailers" and not message.get("more_trailers", False)
+
+
+class Owner(Protocol):
+    """What the response side asks of the exchange that owns it."""
+
+    drained: int | None
+    stopped: bool
+
+    def part_done(self, task: asyncio.Task[Any]) -> None: ...
+
+    def running_as(self, generation_id: str) -> None:
+        """A Stop or a drain reaches it under that id from now on."""
+        ...
+
+    def transport_lost(self) -> None: ...
+
+
+class _Over:
+    """The owner of a response whose exchange ended."""
+
+    drained: int | None = None
+    stopped = False
+
+    def part_done(self, task: asyncio.Task[Any]) -> None:
+        pass
+
+    def running_as(self, generation_id: str) -> None:
+        pass
+
+    def transport_lost(self) -> None:
+        pass
+
+
+_OVER = _Over()
+
+
+class Outbound:
+    """One response, as the app sends it; see the module docstring."""
+
+    __slots__ = (
+        "body_ended",
+        "client_gone",
+        "delivery",
+        "expect_trailers",
+        "generation",
+        "head",
+        "held",
+        "held_body",
+        "keep_alive_handle",
+        "keep_alive_seen",
+        "mw",
+        "observe",
+        "owner",
+        "passthrough",
+        "reader",
+        "scope",
+        "send",
+        "state",
+        "trailers_ended",
+        "watch",
+        "writer",
+    )
+
+    def __init__(
+        self,
+        mw: DisconnectMiddleware,
+        owner: Owner,
+        scope: Scope,
+        send: Send,
+        state: RequestState,
+        reader: RequestReader,
+    ) -> None:
+        self.mw = mw  # its options, backend, transport, and the running exchanges
+        self.owner = owner
+        self.scope = scope
+        self.send = send
+        self.state = state
+        self.reader = reader
+        self.writer: ClientWriter | None = None
+        self.generation: Generation | None = None
+        self.head: Any = ()  # the response's headers, as the app sent them
+        # Not a generation (not an LLM exchange): its messages go straight to the server.
+        self.passthrough = False
+        # A JSON response's start, and its first body messages, held until they say whether
+        # it is an LLM API's.
+        self.held: Message | None = None
+        self.held_body: list[Message] = []
+        # Where the response stands while no writer exists (a response sent in one piece).
+        self.delivery = _OPEN
+        self.client_gone = False
+        self.body_ended = False
+        self.expect_trailers = False
+        self.trailers_ended = False  # a trailers message without more_trailers went
+        # Metering's observer (RequestState.observe), taken at the response start.
+        self.observe: Callable[[Message], bool | None] | None = None
+        self.keep_alive_seen = 0  # the log's size at the last keep-alive tick
+        self.keep_alive_handle: asyncio.TimerHandle | None = None
+        # The connection's transport, watched from the first body message (see _transport).
+        self.watch: ConnectionWatch | None = None
+
+    def handed(self) -> bool:
+        """The whole response went to the server."""
+        writer = self.writer
+        return (writer.delivery if writer is not None else self.delivery) is _DONE
+
+    def unlink(self) -> None:
+        """The exchange ended: let go of it (reference counting frees both)."""
+        self.owner = _OVER
+
+    def stop_keep_alive(self) -> None:
+        handle = self.keep_alive_handle
+        if handle is not None:
+            self.keep_alive_handle = None
+            handle.cancel()
+
+    def _open_watch(self) -> ConnectionWatch | None:
+        """Watch the connection from the response's first body message (its head is with
+        the server already), a streamed one only: a response sent whole costs nothing."""
+        transport = self.mw.transport
+        generation = self.generation
+        if transport is None or generation is None:
+            return None
+        chunked = not any(name == b"content-length" for name, _ in self.head)
+        watch = self.watch = transport.watch(
+            self.scope, asyncio.get_running_loop(), self.owner.transport_lost, chunked=chunked
+        )
+        return watch
+
+    def record_end(
+        self,
+        status: Status,
+        error: str,
+        code: str = "incomplete_response",
+        frame: str = "",
+        *,
+        framed: bool = False,
+    ) -> None:
+        """End a generation that did not complete. A failed event stream, or one its owner
+        stopped, gets an error frame (``code``; ``frame`` its message, else ``error``) and a
+        proper end; any other response is left open, so the server aborts it rather than
+        end it cleanly."""
+        generation = self.generation
+        if generation is None or not generation.running:
+            return
+        owner = self.owner
+        drained = owner.drained
+        if (status is _STATUS_FAILED or owner.stopped or drained is not None) and is_event_stream(
+            generation.content_type
+        ):
+            if drained is not None:
+                code, frame = "draining", "The server is draining; retry on another replica."
+            if not framed:
+                generation.append_frame(
+                    error_frame(generation.id, code, frame or error, retry_after=drained)
+                )
+            generation.finish(status, error)
+            self.deliver_rest()
+            return
+        generation.finish(status, error)
+        if self.writer is not None:
+            self.writer.end_response = False
+
+    def failed(self, exc: BaseException) -> None:
+        # A stream that carries its provider's error event has its error frame already.
+        ending = self.state.stream_ending
+        self.record_end(
+            _STATUS_FAILED,
+            f"{type(exc).__name__}: {exc}"[:500],
+            str(getattr(exc, "error_type", "stream_error")),
+            "The stream failed after it started.",
+            framed=ending is not None and ending() == "error",
+        )
+
+    def _ended_short(self, generation: Generation, end: str) -> None:
+        """The app ended a stream whose protocol did not say it was complete."""
+        if end == "truncated":
+            reason = "the stream ended without its protocol's terminal marker"
+            generation.append_frame(error_frame(generation.id, "truncated_stream", reason))
+        else:
+            reason = "the stream carried an error event"
+        generation.finish(_STATUS_FAILED, reason)
+
+    def deliver_rest(self) -> None:
+        """Hand the end of a generation (an error frame, the final body) to the client."""
+        if self.client_gone or self.generation is None:
+            return
+        writer = self.writer or self.open_writer()
+        writer.pump()
+
+    async def app_send(self, message: Message) -> None:
+        kind = message["type"]
+        observe = self.observe
+        if observe is not None and observe(message):
+            self.observe = None  # metering has what it needs per message: the log has the rest
+        if kind == "http.response.body":
+            body = message.get("body", b"")
+            size = len(body)
+            more_body = message.get("more_body", False)
+            writer = self.writer
+            # 1048576 is MESSAGE_BYTES, as a constant: a global costs a lookup per chunk.
+            if writer is not None and writer.direct and more_body and 0 < size <= 1048576:
+                # The hot path (eager sends), one chunk of a stream whose client keeps up:
+                # append it to the log and hand the app's own message to the server.
+                # Generation.append, inlined: a direct exchange's generation is running.
+                live: Generation = self.generation  # type: ignore[assignment]
+                live.size += size
+                chunks = live.chunks
+                chunks.append(body)
+                if live.waiters:
+                    live.wake()
+                # ClientWriter.hand, inlined: the send starts at once in a task of its own.
+                sending: Any = self.send(message)
+                if type(sending) is not _COROUTINE:
+                    sending = as_coroutine(sending)
+                task = _Task(sending, loop=writer.loop, context=writer.context, eager_start=True)  # type: ignore[call-arg]
+                if not task.done():
+                    writer.wait_for(task, message, size, len(chunks))
+                elif task.exception() is None:
+                    writer.sent_index = len(chunks)
+                    self.state.delivered_bytes += size
+                    if writer.note is not None:
+                        writer.note(size)
+                else:
+                    writer.took(task, message, size, len(chunks))
+                return
+            if writer is not None and more_body and 0 < size <= 1048576 and not self.client_gone:
+                # The hot path (the writer task sends), one chunk of a stream: append it to
+                # the log and wake the writer, or wait for a client far behind to read.
+                live = self.generation  # type: ignore[assignment]
+                if live.running:
+                    live.size += size
+                    live.chunks.append(body)
+                    if live.waiters:
+                        live.wake()
+                    waiter = writer.waiter
+                    if waiter is not None and not waiter.done():
+                        writer.latest = message
+                        writer.waiter = None
+                        waiter.set_result(None)
+                    elif live.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
+                        await writer.room(self.mw.max_lag_bytes // 2)
+                    return
+            await self._body(message, body, more_body, writer)
+        elif kind == "http.response.start":
+            await self._response_start(message)
+        else:
+            await self._other(kind, message)
+
+    async def _body(
+        self, message: Message, body: bytes, more_body: bool, writer: ClientWriter | None
+    ) -> None:
+        """A body message off the hot path: the first ones, a held JSON's, the last one,
+        one over MESSAGE_BYTES, one while the client lags."""
+        generation = self.generation
+        if generation is None:
+            if self.held is not None:
+                if not await self._judge(message, body, more_body):
+                    return
+                # It is one: this message goes on below, behind the held ones.
+                generation, writer = self.generation, self.writer
+            elif self.passthrough:
+                await self._pass_body(message, len(body), more_body)
+                return
+            if generation is None:
+                raise RuntimeError(
+                    "ASGI message 'http.response.body' sent before 'http.response.start'"
+                )
+        if body:
+            if len(body) <= MESSAGE_BYTES:
+                generation.append(body)
+            else:
+                # In pieces, so the client's progress through it shows.
+                for start in range(0, len(body), MESSAGE_BYTES):
+                    generation.append(body[start : start + MESSAGE_BYTES])
+        if not more_body:
+            self._end_body(generation)
+        if self.client_gone:
+            return
+        if writer is not None:
+            if writer.direct:
+                writer.pump()
+                return
+            writer.wake()
+            if generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
+                # The client reads, slower than the app produces: the app waits for it,
+                # so memory stays bounded. A client that stops is lagging (the writer's
+                # deadline), and then the policy applies.
+                await writer.room(self.mw.max_lag_bytes // 2)
+        elif more_body:
+            if body:
+                self.open_writer().pump()
+        elif (
+            len(generation.chunks) > 1
+            or self.expect_trailers
+            or generation.error
+            or len(body) > MESSAGE_BYTES
+        ):
+            self.open_writer().pump()
+        else:
+            await self._send_whole(message, len(body))
+
+    def _end_body(self, generation: Generation) -> None:
+        """The app's last body message: the generation ends as its protocol says."""
+        if not generation.running:
+            raise RuntimeError("ASGI message 'http.response.body' sent after the response ended")
+        ending = self.state.stream_ending
+        end = None if ending is None else ending()
+        if generation.status_code >= 400:
+            # An error answer (an upstream's refusal passed on) is whole, not a completed
+            # generation.
+            generation.finish(_STATUS_FAILED, f"the response was HTTP {generation.status_code}")
+        elif end is None or end == "complete":
+            generation.finish(_STATUS_COMPLETE)
+        else:
+            self._ended_short(generation, end)
+        self.body_ended = True
+
+    async def _response_start(self, message: Message) -> None:
+        reader = self.reader
+        if reader.gate is not None:
+            reader.open_gate()  # the body is not asked for now: watch for the client
+        observe = self.state.observe
+        if observe is not None:
+            observe(message)
+            # It may step aside now: a response it does not meter.
+            self.observe = self.state.observe
+        if self.generation is not None or self.held is not None or self.passthrough:
+            raise RuntimeError("ASGI message 'http.response.start' sent twice")
+        if message.get("trailers"):
+            self.expect_trailers = True
+        kind_of = self._kind_of(message)
+        if kind_of == "json":
+            self.held = message  # its body decides
+            return
+        if kind_of == "other":
+            self.passthrough = True
+            await self._pass(message)
+            return
+        await self._open_generation(message)
+
+    def _kind_of(self, message: Message) -> str:
+        """``generation`` when this request is one (its route chose a policy or metering,
+        it detached, or its response is an event stream), ``json`` when its body must tell,
+        else ``other``: not an LLM exchange, so nothing is written and no header added."""
+        scope = self.scope
+        state = self.state
+        if state.detached or route_policy(scope) is not None or callable(self.mw.policy):
+            return "generation"
+        endpoint = scope.get("endpoint") or getattr(scope.get("route"), "endpoint", None)
+        if getattr(endpoint, METERED_ATTRIBUTE, None):
+            return "generation"
+        for name, value in message.get("headers", ()):
+            if name == b"content-type":
+                value = value.lower()
+                if value.startswith(b"text/event-stream"):
+                    return "generation"
+                if value.startswith(b"application/json"):
+                    return "json"
+                return "other"
+        return "other"
+
+    async def _judge(self, message: Message, body: bytes, more_body: bool) -> bool:
+        """A body message of a held JSON response: decide once its first bytes (or all of
+        it) are in. True: it is a generation, and ``message`` goes on as its body (the held
+        ones before it went already); False: held on, or passed straight through."""
+        start = self.held
+        assert start is not None
+        held_body = self.held_body
+        head = b"".join([*(m.get("body", b"") for m in held_body), body]) if held_body else body
+        if (
+            more_body
+            and len(head) < _JUDGE_BYTES
+            and not is_llm_json(head, start["status"], whole=False)
+        ):
+            held_body.append(message)  # nothing tells yet: wait for more of it
+            return False
+        self.held = None
+        self.held_body = []
+        if is_llm_json(head, start["status"], whole=not more_body):
+            await self._open_generation(start)
+            if held_body:
+                # Through the generation's path; metering saw these messages already.
+                observe, self.observe = self.observe, None
+                try:
+                    for held in held_body:
+                        await self.app_send(held)
+                finally:
+                    self.observe = observe
+            return True
+        self.passthrough = True
+        await self._pass(start)
+        for held in (*held_body, message):
+            await self._pass_body(held, len(held.get("body", b"")), held.get("more_body", False))
+        return False
+
+    async def _pass(self, message: Message) -> None:
+        """A message of a response that is not a generation, straight to the server."""
+        if self.client_gone:
+            return
+        try:
+            await self.send(message)
+        except OSError:
+            self.client_went_away()
+
+    async def _pass_body(self, message: Message, size: int, more_body: bool) -> None:
+        await self._pass(message)
+        if self.client_gone:
+            return
+        self.state.delivered_bytes += size
+        if not more_body and not self.expect_trailers:
+            self.delivery = _DONE
+
+    async def _open_generation(self, message: Message) -> None:
+        """The response is a generation: open its log and hand the server its start."""
+        await self._pass(self._start(message))
+        if self.client_gone:
+            return
+        interval = self.mw.keep_alive
+        if interval is not None and is_event_stream(self.generation.content_type):  # type: ignore[union-attr]
+            self.keep_alive_handle = asyncio.get_running_loop().call_later(
+                interval, self._keep_alive, interval
+            )
+
+    async def _other(self, kind: str, message: Message) -> None:
+        """Every other message keeps its place behind what was produced before it."""
+        if kind == "http.response.trailers":
+            if self.trailers_ended:
+                raise RuntimeError("ASGI message 'http.response.trailers' sent after the last ones")
+            self.trailers_ended = not message.get("more_trailers", False)
+        generation = self.generation
+        if generation is None:
+            held = self.held
+            if held is not None and kind in _ENDS_BODY:
+                # A JSON response that ends without a whole body message: no LLM answer.
+                self.held = None
+                self.passthrough = True
+                await self._pass(held)
+                for body in self.held_body:
+                    await self._pass(body)
+                self.held_body = []
+            # Nothing of the response is held (early hints, say), or it is no generation:
+            # straight through.
+            await self._pass(message)
+            if self.passthrough and not self.client_gone and _ends(kind, message):
+                self.delivery = _DONE
+            return
+        if kind == "http.response.pathsend":
+            # The file is the body, sent by the server; the log keeps none of it.
+            if not generation.finish(_STATUS_COMPLETE):
+                raise RuntimeError("ASGI message 'http.response.pathsend' after the response ended")
+            self.body_ended = True
+        if self.client_gone:
+            return
+        writer = self.writer or self.open_writer()
+        if kind == "http.response.pathsend":
+            writer.end_response = False
+            self._forget_watch()  # the server sends the file: its bytes are not counted here
+        writer.queue(message, after_end=self.body_ended and kind != "http.response.pathsend")
+        writer.pump()
+
+    def open_writer(self) -> ClientWriter:
+        generation = self.generation
+        assert generation is not None
+        writer = self.writer = ClientWriter(
+            self.send,
+            generation,
+            self.state,
+            max_lag_seconds=self.mw.max_lag_seconds,
+            expect_trailers=self.expect_trailers,
+            on_lost=self._writer_lost,
+            on_done=self.owner.part_done,
+        )
+        watch = writer.watch = self._open_watch()
+        if watch is not None:
+            writer.note = watch.sizes.append
+        return writer
+
+    def _forget_watch(self) -> None:
+        watch = self.watch
+        if watch is not None:
+            self.watch = None
+            if self.writer is not None:
+                self.writer.watch = self.writer.note = None
+            transport = self.mw.transport
+            assert transport is not None
+            transport.forget(watch)
+
+    def _keep_alive(self, interval: float) -> None:
+        """Every ``interval`` while an event stream runs: if nothing was produced since the
+        last tick, send the client a ``: keep-alive`` comment (proxies and clients that
+        time out on silence keep the connection). Not in the log, not counted as output."""
+        self.keep_alive_handle = None
+        generation = self.generation
+        if generation is None or not generation.running or self.client_gone:
+            return
+        size = generation.size
+        if size == self.keep_alive_seen and not self.state.detached:
+            writer = self.writer or self.open_writer()
+            if not writer.extras and writer.delivery is _OPEN:
+                writer.queue(
+                    {"type": "http.response.body", "body": _KEEP_ALIVE, "more_body": True},
+                    after_end=False,
+                )
+                # The writer task sends it, in order: the app's next chunk goes behind it.
+                writer.direct = False
+                writer.wake()
+        self.keep_alive_seen = size
+        self.keep_alive_handle = asyncio.get_running_loop().call_later(
+            interval, self._keep_alive, interval
+        )
+
+    def _writer_lost(self, reason: str) -> None:
+        self.client_gone = True
+        self.reader.wake(reason)
+
+    def _start(self, message: Message) -> Message:
+        """Open the generation; return the start message with ``x-generation-id`` added."""
+        if self.generation is not None:
+            raise RuntimeError("ASGI message 'http.response.start' sent twice")
+        headers = self.head = message.get("headers", ())
+        state = self.state
+        generation = Generation(
+            state.generation_id,
+            principal=state.principal,
+            status_code=message["status"],
+            headers=headers,
+        )
+        if state.policy is not None:
+            generation.policy = state.policy.value
+            generation.detached = state.detached
+        # What the client has not received yet stays in memory (see Generation.release).
+        generation.reader = state
+        self.generation = state.generation = generation
+        backend = state.log_store = self.mw.backend
+        backend.register(generation)
+        self.owner.running_as(generation.id)
+        if message.get("trailers"):
+            self.expect_trailers = True
+        for name, _ in headers:
+            # Header names are lower case in ASGI.
+            if name == _GENERATION_HEADER:
+                # The app names its responses itself: keep its header, add none.
+                return message
+        headers = list(headers)
+        headers.append((_GENERATION_HEADER, state.generation_id.encode()))
+        return {**message, "headers": headers}
+
+    def client_went_away(self, reason: str = "client") -> None:
+        # Servers at ASGI spec 2.4+ raise OSError on send when the client is gone.
+        self.client_gone = True
+        if self.delivery is not _DONE:
+            self.delivery = _GONE
+        self.reader.wake(reason)
+
+    async def _send_whole(self, message: Message, size: int) -> None:
+        """Send the whole response, one message, as the app gave it, from the producer's own
+        task. A send that cannot finish at once goes on under the lag deadline, so a client
+        that stops reading (or an HTTP/2 window that stays shut) cannot hold it."""
+        self.delivery = _FINAL
+        sending: Any = self.send(message)
+        if type(sending) is not _COROUTINE:
+            sending = as_coroutine(sending)
+        try:
+            try:
+                waiting_on = sending.send(None)
+            except StopIteration:
+                pass
+            else:
+                async with asyncio.timeout(self.mw.max_lag_seconds):
+                    await Resume(sending, waiting_on)
+        except TimeoutError:
+            self.delivery = _GONE
+            self.client_gone = True
+            self.reader.wake("lag")
+            return
+        except OSError:
+            self.client_went_away()
+            return
+        self.state.delivered_bytes += size
+        if not self.expect_trailers:
+            self.delivery = _DONE
