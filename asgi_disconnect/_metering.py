@@ -623,7 +623,9 @@ class _Tee:
                 content_type = bytes(value).lower()
                 if content_type.startswith(b"text/event-stream"):
                     self.is_event_stream = True
-                    self.meter = StreamMeter(self.provider, marks=not self.direct)
+                    # With marks: a stream cut within its first events (the ones read as
+                    # produced) needs them for the share its client received.
+                    self.meter = StreamMeter(self.provider, marks=True)
                     if self.state is not None:
                         # DisconnectMiddleware ends the generation by it.
                         self.state.stream_ending = self.ending

@@ -237,3 +237,27 @@ async def test_a_cancel_on_sqlite_reads_its_released_text_back(tmp_path: Path) -
     assert reference.output_tokens is not None
     # Both cut within the same few events of one another.
     assert abs(record.output_tokens - reference.output_tokens) <= 10
+
+
+async def test_a_stream_cut_within_its_first_events_is_metered_from_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The client leaves while metering still reads the events as produced (before the log
+    takes over): the share it received comes from those events' marks, and the record is
+    the cancel's, not an error of the analysis."""
+    records: list[UsageRecord] = []
+    stacked = DisconnectMiddleware(
+        MeteringMiddleware(app_of(OPENAI, 256, delay=0.1), sinks=[records.append]),
+        backend=MemoryBackend(),
+        max_lag_seconds=0.3,
+    )
+    # It reads the first events, then stops: the app goes on producing until the client
+    # counts as gone, so less was delivered than produced.
+    record = await record_of(stacked, records, stop_reading_after_bytes=500)
+    assert record.delivered_bytes < record.produced_bytes, record
+    assert "analysing the response failed" not in caplog.text
+    assert record.outcome == "cancelled"
+    assert record.usage_source == "estimated"
+    assert record.delivered_output_tokens is not None
+    assert record.output_tokens is not None
+    assert record.delivered_output_tokens < record.output_tokens
