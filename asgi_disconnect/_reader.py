@@ -57,6 +57,7 @@ class RequestReader:
     """Reads ``receive`` for one request; see the module docstring."""
 
     __slots__ = (
+        "body_read",
         "error",
         "gate",
         "inbox",
@@ -76,6 +77,7 @@ class RequestReader:
         self.inbox: deque[Message] | None = None
         self.inbox_waiter: asyncio.Future[None] | None = None
         self.taken_waiter: asyncio.Future[None] | None = None
+        self.body_read = False  # the body's last part came
         # What the server's receive raised (a body limit outside): the app's receive raises it.
         self.error: Exception | None = None
         # Resolved when the app first asks for a message or starts its response; the watch
@@ -115,6 +117,13 @@ class RequestReader:
                     await self._refused(exc)
                 kind = message["type"]
                 if kind == "http.request":
+                    if self.body_read:
+                        # No server sends more after the body's last part: this receive
+                        # answers at once and tells nothing of the client (a test's own,
+                        # say). Reading it again would spin; the exchange wakes the watch.
+                        await asyncio.get_running_loop().create_future()
+                    if not message.get("more_body", False):
+                        self.body_read = True
                     inbox = self.inbox
                     if inbox is None:
                         inbox = self.inbox = deque()

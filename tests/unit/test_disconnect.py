@@ -573,3 +573,31 @@ async def test_the_lag_deadline_acts_at_max_lag_seconds_for_the_send_that_waits(
     assert mw.counters.cancelled == 1
     # At the deadline, not before it; a timer set at the slow send fired 4 s after.
     assert 3.0 <= waited < 3.6, waited
+
+
+def test_a_receive_that_never_waits_does_not_take_the_event_loop() -> None:
+    """A hand-made ``receive`` that answers ``http.request`` on every call (Starlette's own
+    tests have one): after the body's last part the watch stops reading it, where it used
+    to read it for ever without giving the loop a turn. Run in a thread of its own, so that
+    a loop taken for ever fails the test rather than hang it."""
+    import threading
+
+    from starlette.responses import PlainTextResponse
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    mw = DisconnectMiddleware(PlainTextResponse("hello"), backend=MemoryBackend())
+    runner = threading.Thread(
+        target=asyncio.run, args=(mw(http_scope("/"), receive, send),), daemon=True
+    )
+    runner.start()
+    runner.join(10)
+    assert not runner.is_alive(), "the request never ended: its loop is taken"
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[-1]["body"] == b"hello"
