@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["Outbound"]
 
 _COROUTINE = types.CoroutineType
-_Task = asyncio.Task
 _KEEP_ALIVE = b": keep-alive\n\n"
 _GENERATION_HEADER = b"x-generation-id"
 _ENDS_BODY = frozenset({"http.response.pathsend", "http.response.trailers"})
@@ -257,46 +256,22 @@ class Outbound:
             more_body = message.get("more_body", False)
             writer = self.writer
             # 1048576 is MESSAGE_BYTES, as a constant: a global costs a lookup per chunk.
-            if writer is not None and writer.direct and more_body and 0 < size <= 1048576:
-                # The hot path (eager sends), one chunk of a stream whose client keeps up:
-                # append it to the log and hand the app's own message to the server.
-                # Generation.append, inlined: a direct exchange's generation is running.
-                live: Generation = self.generation  # type: ignore[assignment]
-                live.size += size
-                chunks = live.chunks
-                chunks.append(body)
-                if live.waiters:
-                    live.wake()
-                # ClientWriter.hand, inlined: the send starts at once in a task of its own.
-                sending: Any = self.send(message)
-                if type(sending) is not _COROUTINE:
-                    sending = as_coroutine(sending)
-                task = _Task(sending, loop=writer.loop, context=writer.context, eager_start=True)  # type: ignore[call-arg]
-                if not task.done():
-                    writer.wait_for(task, message, size, len(chunks))
-                elif task.exception() is None:
-                    writer.sent_index = len(chunks)
-                    self.state.delivered_bytes += size
-                    if writer.note is not None:
-                        writer.note(size)
-                else:
-                    writer.took(task, message, size, len(chunks))
-                return
             if writer is not None and more_body and 0 < size <= 1048576 and not self.client_gone:
-                # The hot path (the writer task sends), one chunk of a stream: append it to
-                # the log and wake the writer, or wait for a client far behind to read.
-                live = self.generation  # type: ignore[assignment]
+                # The hot path, one chunk of a stream: append it to the log (Generation.append,
+                # inlined) and hand it to the writer, or wait for a client far behind.
+                live: Generation = self.generation  # type: ignore[assignment]
                 if live.running:
                     live.size += size
-                    live.chunks.append(body)
+                    chunks = live.chunks
+                    chunks.append(body)
                     if live.waiters:
                         live.wake()
-                    waiter = writer.waiter
-                    if waiter is not None and not waiter.done():
-                        writer.latest = message
-                        writer.waiter = None
-                        waiter.set_result(None)
-                    elif live.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
+                    if writer.direct:
+                        writer.hand_chunk(message, size, len(chunks))
+                    elif (
+                        not writer.take(message)
+                        and live.size - self.state.delivered_bytes > self.mw.max_lag_bytes
+                    ):
                         await writer.room(self.mw.max_lag_bytes // 2)
                     return
             await self._body(message, body, more_body, writer)

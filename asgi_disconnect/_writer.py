@@ -188,6 +188,33 @@ class ClientWriter:
         else:
             self.wait_for(task, message, size, count)
 
+    def hand_chunk(self, message: Message, size: int, count: int) -> None:
+        """:meth:`hand`, for a body chunk that is not the last (the hot path, eager)."""
+        sending: Any = self.send(message)
+        if type(sending) is not _COROUTINE:
+            sending = as_coroutine(sending)
+        task = _Task(sending, loop=self.loop, context=self.context, eager_start=True)  # type: ignore[call-arg]
+        if not task.done():
+            self.wait_for(task, message, size, count)
+        elif task.exception() is None:
+            self.sent_index = count
+            self.state.delivered_bytes += size
+            if self.note is not None:
+                self.note(size)
+        else:
+            self.took(task, message, size, count)
+
+    def take(self, message: Message) -> bool:
+        """Wake the writer task for the app's chunk (``message``, appended to the log), if it
+        waits for one; False if it is busy with what was produced before."""
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return False
+        self.latest = message
+        self.waiter = None
+        waiter.set_result(None)
+        return True
+
     def took(self, task: asyncio.Task[Any], message: Message, size: int, count: int) -> None:
         """An eager send finished in its first step: its outcome, as the writer's would be."""
         exc = task.exception()
@@ -259,8 +286,6 @@ class ClientWriter:
         count = len(generation.chunks)
         index = self.sent_index
         extras = self.extras
-        if index == count and not extras and generation.running:
-            return None  # caught up
         if extras:
             at, after_end, extra = extras[0]
             if at <= index and (self.end_sent or not after_end):
@@ -282,6 +307,20 @@ class ClientWriter:
         if ended and self.end_response and not self.end_sent and (not extras or extras[0][1]):
             return {"type": "http.response.body", "body": b"", "more_body": False}, 0, index
         return None
+
+    def _latest(self, latest: Message) -> tuple[Message, int, int] | None:
+        """Woken for one chunk: the app's own message, if that is all that waits."""
+        self.latest = None
+        chunks = self.generation.chunks
+        index = self.sent_index
+        if (
+            index + 1 == len(chunks)
+            and chunks[index] is latest["body"]
+            and not self.extras
+            and self.delivery is _OPEN
+        ):
+            return latest, len(latest["body"]), index + 1
+        return self._next()
 
     def _ends(self, message: Message) -> bool:
         """Whether ``message`` is the last of the response."""
@@ -362,24 +401,9 @@ class ClientWriter:
                     self._sent(message, size, count)
                     continue
                 latest = self.latest
-                index = self.sent_index
                 if latest is not None:
-                    # Woken for one chunk: the app's own message, if that is all that waits.
-                    self.latest = None
-                    if (
-                        index + 1 == len(chunks)
-                        and chunks[index] is latest["body"]
-                        and not self.extras
-                        and self.delivery is _OPEN
-                    ):
-                        following: tuple[Message, int, int] | None = (
-                            latest,
-                            len(latest["body"]),
-                            index + 1,
-                        )
-                    else:
-                        following = self._next()
-                elif index == len(chunks) and not self.extras and generation.running:
+                    following = self._latest(latest)
+                elif self.sent_index == len(chunks) and not self.extras and generation.running:
                     following = None  # caught up
                 else:
                     following = self._next()
