@@ -64,6 +64,33 @@ def _retry_value(value: str) -> int | None:
         return None
 
 
+def _last_retry(lines: bytes) -> int | None:
+    """The value of the last valid ``retry`` line among complete ``lines``, else None."""
+    retry = None
+    if b"retry" in lines:
+        for line in lines.decode("utf-8", "replace").split("\n"):
+            name, _, value = line.partition(":")
+            if name == "retry":
+                found = _retry_value(value[1:] if value[:1] == " " else value)
+                retry = retry if found is None else found
+    return retry
+
+
+def _has_long_line(partial: int, chunk: bytes, limit: int) -> bool:
+    """Whether a line of ``chunk``, which holds an LF, is longer than ``limit`` bytes; its
+    first line continues an unterminated line of ``partial`` bytes, its last may go on."""
+    first = chunk.find(b"\n")
+    if partial + first > limit:
+        return True
+    pos = first + 1
+    while len(chunk) - pos > limit:
+        newline = chunk.rfind(b"\n", pos, pos + limit + 1)
+        if newline < 0:
+            return True
+        pos = newline + 1
+    return False
+
+
 class SSEDecoder:
     """Decode an event stream incrementally; see the module docstring for the rules.
 
@@ -133,15 +160,8 @@ class SSEDecoder:
     @property
     def retry(self) -> int | None:
         """The reconnection time (ms) set by the last valid ``retry`` line, else None."""
-        retry = self._retry
-        pending = self._pending_lines()
-        if b"retry" in pending:
-            for line in pending.decode("utf-8", "replace").split("\n"):
-                name, _, value = line.partition(":")
-                if name == "retry":
-                    found = _retry_value(value[1:] if value[:1] == " " else value)
-                    retry = retry if found is None else found
-        return retry
+        found = _last_retry(self._pending_lines())
+        return self._retry if found is None else found
 
     def feed(self, chunk: bytes) -> list[ServerSentEvent]:
         """Decode ``chunk``; return the events it completed, in order.
@@ -179,8 +199,8 @@ class SSEDecoder:
                         )
                     ]
         partial = self._partial
-        if partial + size > self._max_line:
-            self._check_lines(partial, chunk)
+        if partial + size > self._max_line and _has_long_line(partial, chunk, self._max_line):
+            self._fail(f"an SSE line is longer than {self._max_line} bytes")
         newline = chunk.rfind(b"\n")
         self._partial = size - newline - 1
         if not newline or chunk[newline - 1] != 10:
@@ -299,18 +319,6 @@ class SSEDecoder:
         self._failed = message
         self._special = True
         raise SSEDecodeError(message)
-
-    def _check_lines(self, partial: int, chunk: bytes) -> None:
-        limit = self._max_line
-        first = chunk.find(b"\n")
-        if partial + first > limit:
-            self._fail(f"an SSE line is longer than {limit} bytes")
-        pos = first + 1
-        while len(chunk) - pos > limit:
-            newline = chunk.rfind(b"\n", pos, pos + limit + 1)
-            if newline < 0:
-                self._fail(f"an SSE line is longer than {limit} bytes")
-            pos = newline + 1
 
     def _flush_tail(self, out: list[ServerSentEvent]) -> None:
         """Parse the complete lines kept in the tail; only the first of them can be blank."""
