@@ -15,13 +15,12 @@ import asyncio
 import types
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._aio import Resume, as_coroutine
 from ._contract import METERED_ATTRIBUTE
 from ._log import Generation
 from ._policy import route_policy
 from ._records import Status
 from ._resume import error_frame, is_event_stream
-from ._writer import MESSAGE_BYTES, ClientWriter, Delivery
+from ._writer import MESSAGE_BYTES, ClientWriter, Delivery, send_whole
 from .metering import is_llm_json
 
 if TYPE_CHECKING:
@@ -73,6 +72,96 @@ class Owner(Protocol):
     def transport_lost(self) -> None: ...
 
 
+def response_kind(scope: Scope, state: RequestState, policy: Any, message: Message) -> str:
+    """``generation`` when this request is one (its route chose a policy or metering, it
+    detached, or its response is an event stream), ``json`` when its body must tell, else
+    ``other``: not an LLM exchange, so nothing is written and no header added."""
+    if state.detached or route_policy(scope) is not None or callable(policy):
+        return "generation"
+    endpoint = scope.get("endpoint") or getattr(scope.get("route"), "endpoint", None)
+    if getattr(endpoint, METERED_ATTRIBUTE, None):
+        return "generation"
+    for name, value in message.get("headers", ()):
+        if name == b"content-type":
+            value = value.lower()
+            if value.startswith(b"text/event-stream"):
+                return "generation"
+            if value.startswith(b"application/json"):
+                return "json"
+            return "other"
+    return "other"
+
+
+def finish_body(generation: Generation, end: str | None) -> None:
+    """The app's last body message: the generation ends as its protocol says (``end``,
+    from metering: ``complete``, ``truncated`` or ``error``; None: it cannot tell)."""
+    if generation.status_code >= 400:
+        # An error answer (an upstream's refusal passed on) is whole, not a completed one.
+        generation.finish(_STATUS_FAILED, f"the response was HTTP {generation.status_code}")
+    elif end is None or end == "complete":
+        generation.finish(_STATUS_COMPLETE)
+    elif end == "truncated":
+        reason = "the stream ended without its protocol's terminal marker"
+        generation.append_frame(error_frame(generation.id, "truncated_stream", reason))
+        generation.finish(_STATUS_FAILED, reason)
+    else:
+        generation.finish(_STATUS_FAILED, "the stream carried an error event")
+
+
+def with_generation_id(message: Message, generation_id: str) -> Message:
+    """The start message with ``x-generation-id``, unless the app names its responses."""
+    headers = message.get("headers", ())
+    for name, _ in headers:
+        # Header names are lower case in ASGI.
+        if name == _GENERATION_HEADER:
+            return message
+    headers = list(headers)
+    headers.append((_GENERATION_HEADER, generation_id.encode()))
+    return {**message, "headers": headers}
+
+
+class KeepAlive:
+    """Every ``interval`` while an event stream runs: if nothing was produced since the last
+    tick, the client gets a ``: keep-alive`` comment (proxies and clients that time out on
+    silence keep the connection). Not in the log, not counted as output."""
+
+    __slots__ = ("handle", "interval", "out", "seen")
+
+    def __init__(self, out: Outbound, interval: float) -> None:
+        self.out = out
+        self.interval = interval
+        self.seen = 0  # the log's size at the last tick
+        self.handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            interval, self._tick
+        )
+
+    def stop(self) -> None:
+        handle = self.handle
+        if handle is not None:
+            self.handle = None
+            handle.cancel()
+
+    def _tick(self) -> None:
+        self.handle = None
+        out = self.out
+        generation = out.generation
+        if generation is None or not generation.running or out.client_gone:
+            return
+        size = generation.size
+        if size == self.seen and not out.state.detached:
+            writer = out.writer or out.open_writer()
+            if not writer.extras and writer.delivery is _OPEN:
+                writer.queue(
+                    {"type": "http.response.body", "body": _KEEP_ALIVE, "more_body": True},
+                    after_end=False,
+                )
+                # The writer task sends it, in order: the app's next chunk goes behind it.
+                writer.direct = False
+                writer.wake()
+        self.seen = size
+        self.handle = asyncio.get_running_loop().call_later(self.interval, self._tick)
+
+
 class _Over:
     """The owner of a response whose exchange ended."""
 
@@ -104,8 +193,7 @@ class Outbound:
         "head",
         "held",
         "held_body",
-        "keep_alive_handle",
-        "keep_alive_seen",
+        "keep_alive",
         "mw",
         "observe",
         "owner",
@@ -151,8 +239,7 @@ class Outbound:
         self.trailers_ended = False  # a trailers message without more_trailers went
         # Metering's observer (RequestState.observe), taken at the response start.
         self.observe: Callable[[Message], bool | None] | None = None
-        self.keep_alive_seen = 0  # the log's size at the last keep-alive tick
-        self.keep_alive_handle: asyncio.TimerHandle | None = None
+        self.keep_alive: KeepAlive | None = None  # an event stream's, while it runs
         # The connection's transport, watched from the first body message (see _transport).
         self.watch: ConnectionWatch | None = None
 
@@ -166,10 +253,8 @@ class Outbound:
         self.owner = _OVER
 
     def stop_keep_alive(self) -> None:
-        handle = self.keep_alive_handle
-        if handle is not None:
-            self.keep_alive_handle = None
-            handle.cancel()
+        if self.keep_alive is not None:
+            self.keep_alive.stop()
 
     def _open_watch(self) -> ConnectionWatch | None:
         """Watch the connection from the response's first body message (its head is with
@@ -228,15 +313,6 @@ class Outbound:
             "The stream failed after it started.",
             framed=ending is not None and ending() == "error",
         )
-
-    def _ended_short(self, generation: Generation, end: str) -> None:
-        """The app ended a stream whose protocol did not say it was complete."""
-        if end == "truncated":
-            reason = "the stream ended without its protocol's terminal marker"
-            generation.append_frame(error_frame(generation.id, "truncated_stream", reason))
-        else:
-            reason = "the stream carried an error event"
-        generation.finish(_STATUS_FAILED, reason)
 
     def deliver_rest(self) -> None:
         """Hand the end of a generation (an error frame, the final body) to the client."""
@@ -338,15 +414,7 @@ class Outbound:
         if not generation.running:
             raise RuntimeError("ASGI message 'http.response.body' sent after the response ended")
         ending = self.state.stream_ending
-        end = None if ending is None else ending()
-        if generation.status_code >= 400:
-            # An error answer (an upstream's refusal passed on) is whole, not a completed
-            # generation.
-            generation.finish(_STATUS_FAILED, f"the response was HTTP {generation.status_code}")
-        elif end is None or end == "complete":
-            generation.finish(_STATUS_COMPLETE)
-        else:
-            self._ended_short(generation, end)
+        finish_body(generation, None if ending is None else ending())
         self.body_ended = True
 
     async def _response_start(self, message: Message) -> None:
@@ -362,7 +430,7 @@ class Outbound:
             raise RuntimeError("ASGI message 'http.response.start' sent twice")
         if message.get("trailers"):
             self.expect_trailers = True
-        kind_of = self._kind_of(message)
+        kind_of = response_kind(self.scope, self.state, self.mw.policy, message)
         if kind_of == "json":
             self.held = message  # its body decides
             return
@@ -371,27 +439,6 @@ class Outbound:
             await self._pass(message)
             return
         await self._open_generation(message)
-
-    def _kind_of(self, message: Message) -> str:
-        """``generation`` when this request is one (its route chose a policy or metering,
-        it detached, or its response is an event stream), ``json`` when its body must tell,
-        else ``other``: not an LLM exchange, so nothing is written and no header added."""
-        scope = self.scope
-        state = self.state
-        if state.detached or route_policy(scope) is not None or callable(self.mw.policy):
-            return "generation"
-        endpoint = scope.get("endpoint") or getattr(scope.get("route"), "endpoint", None)
-        if getattr(endpoint, METERED_ATTRIBUTE, None):
-            return "generation"
-        for name, value in message.get("headers", ()):
-            if name == b"content-type":
-                value = value.lower()
-                if value.startswith(b"text/event-stream"):
-                    return "generation"
-                if value.startswith(b"application/json"):
-                    return "json"
-                return "other"
-        return "other"
 
     async def _judge(self, message: Message, body: bytes, more_body: bool) -> bool:
         """A body message of a held JSON response: decide once its first bytes (or all of
@@ -451,9 +498,7 @@ class Outbound:
             return
         interval = self.mw.keep_alive
         if interval is not None and is_event_stream(self.generation.content_type):  # type: ignore[union-attr]
-            self.keep_alive_handle = asyncio.get_running_loop().call_later(
-                interval, self._keep_alive, interval
-            )
+            self.keep_alive = KeepAlive(self, interval)
 
     async def _other(self, kind: str, message: Message) -> None:
         """Every other message keeps its place behind what was produced before it."""
@@ -519,30 +564,6 @@ class Outbound:
             assert transport is not None
             transport.forget(watch)
 
-    def _keep_alive(self, interval: float) -> None:
-        """Every ``interval`` while an event stream runs: if nothing was produced since the
-        last tick, send the client a ``: keep-alive`` comment (proxies and clients that
-        time out on silence keep the connection). Not in the log, not counted as output."""
-        self.keep_alive_handle = None
-        generation = self.generation
-        if generation is None or not generation.running or self.client_gone:
-            return
-        size = generation.size
-        if size == self.keep_alive_seen and not self.state.detached:
-            writer = self.writer or self.open_writer()
-            if not writer.extras and writer.delivery is _OPEN:
-                writer.queue(
-                    {"type": "http.response.body", "body": _KEEP_ALIVE, "more_body": True},
-                    after_end=False,
-                )
-                # The writer task sends it, in order: the app's next chunk goes behind it.
-                writer.direct = False
-                writer.wake()
-        self.keep_alive_seen = size
-        self.keep_alive_handle = asyncio.get_running_loop().call_later(
-            interval, self._keep_alive, interval
-        )
-
     def _writer_lost(self, reason: str) -> None:
         self.client_gone = True
         self.reader.wake(reason)
@@ -570,14 +591,7 @@ class Outbound:
         self.owner.running_as(generation.id)
         if message.get("trailers"):
             self.expect_trailers = True
-        for name, _ in headers:
-            # Header names are lower case in ASGI.
-            if name == _GENERATION_HEADER:
-                # The app names its responses itself: keep its header, add none.
-                return message
-        headers = list(headers)
-        headers.append((_GENERATION_HEADER, state.generation_id.encode()))
-        return {**message, "headers": headers}
+        return with_generation_id(message, state.generation_id)
 
     def client_went_away(self, reason: str = "client") -> None:
         # Servers at ASGI spec 2.4+ raise OSError on send when the client is gone.
@@ -587,29 +601,17 @@ class Outbound:
         self.reader.wake(reason)
 
     async def _send_whole(self, message: Message, size: int) -> None:
-        """Send the whole response, one message, as the app gave it, from the producer's own
-        task. A send that cannot finish at once goes on under the lag deadline, so a client
-        that stops reading (or an HTTP/2 window that stays shut) cannot hold it."""
+        """Send the whole response, one message, from the producer's own task, under the
+        lag deadline (see :func:`send_whole`)."""
         self.delivery = _FINAL
-        sending: Any = self.send(message)
-        if type(sending) is not _COROUTINE:
-            sending = as_coroutine(sending)
-        try:
-            try:
-                waiting_on = sending.send(None)
-            except StopIteration:
-                pass
-            else:
-                async with asyncio.timeout(self.mw.max_lag_seconds):
-                    await Resume(sending, waiting_on)
-        except TimeoutError:
+        lost = await send_whole(self.send, message, self.mw.max_lag_seconds)
+        if lost == "lag":
             self.delivery = _GONE
             self.client_gone = True
             self.reader.wake("lag")
-            return
-        except OSError:
+        elif lost is not None:
             self.client_went_away()
-            return
-        self.state.delivered_bytes += size
-        if not self.expect_trailers:
-            self.delivery = _DONE
+        else:
+            self.state.delivered_bytes += size
+            if not self.expect_trailers:
+                self.delivery = _DONE

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ._log import Generation
     from ._transport import ConnectionWatch
 
-__all__ = ["EAGER_SENDS", "ClientWriter", "Delivery"]
+__all__ = ["EAGER_SENDS", "ClientWriter", "Delivery", "send_whole"]
 
 EAGER_SENDS = sys.version_info >= (3, 12)
 """Whether a send is started at once in a task of its own (``Task(..., eager_start=True)``,
@@ -486,3 +486,25 @@ def _coalesced(chunks: list[bytes], index: int, limit: int) -> tuple[bytes, int]
         end += 1
     body = chunks[index] if end == index + 1 else b"".join(chunks[index:end])
     return body, end
+
+
+async def send_whole(send: Send, message: Message, max_lag_seconds: float) -> str | None:
+    """Send a whole response, one message, from the caller's task; a send that cannot
+    finish at once goes on under the lag deadline, so a client that stops reading (or an
+    HTTP/2 window that stays shut) cannot hold it. None once sent; else ``lag`` (the
+    deadline passed) or ``client`` (the server says the client is gone)."""
+    sending: Any = send(message)
+    if type(sending) is not _COROUTINE:
+        sending = as_coroutine(sending)
+    try:
+        try:
+            waiting_on = sending.send(None)
+        except StopIteration:
+            return None
+        async with asyncio.timeout(max_lag_seconds):
+            await Resume(sending, waiting_on)
+    except TimeoutError:
+        return "lag"
+    except OSError:
+        return "client"
+    return None
