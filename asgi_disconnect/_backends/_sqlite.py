@@ -20,7 +20,7 @@ from ._durable import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
 __all__ = ["SCHEMA_VERSION", "SQLiteStore"]
 
@@ -209,11 +209,7 @@ class SQLiteStore:
         # The file the connection opened, (st_dev, st_ino), to notice it deleted or replaced.
         self._file: tuple[int, int] | None = None
         self.failure: str | None = None
-        # Tails waiting for a generation to move on from what they saw.
-        self._waiters: dict[
-            str, list[tuple[tuple[str, int], asyncio.Future[tuple[str, int] | None]]]
-        ] = {}
-        self._watcher: asyncio.Task[None] | None = None
+        self._changes = _ChangePoller(self._read_states, url=self.url, poll_interval=poll_interval)
 
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         assert self._executor is not None
@@ -287,10 +283,7 @@ class SQLiteStore:
         self.failure = None
 
     async def aclose(self) -> None:
-        watcher, self._watcher = self._watcher, None
-        if watcher is not None:
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+        await self._changes.aclose()
         if self._executor is None:
             return
         await self._run(self._close)
@@ -557,6 +550,47 @@ class SQLiteStore:
         """Wait until the generation's (status, size) differs from ``seen``, as the
         store's one poller sees it; return what it is now. None: gone, or not known (the
         ``timeout`` passed, or the poller failed), so ask :meth:`info`."""
+        return await self._changes.changed_from(generation_id, seen, timeout)
+
+    async def _read_states(self, ids: list[str]) -> dict[str, tuple[str, int]]:
+        return await self._run(self._states, ids)
+
+    def _states(self, ids: list[str]) -> dict[str, tuple[str, int]]:
+        assert self._db is not None
+        states: dict[str, tuple[str, int]] = {}
+        for start in range(0, len(ids), _STATES_BATCH):
+            batch = ids[start : start + _STATES_BATCH]
+            sql = _STATES.format(", ".join("?" * len(batch)))
+            for generation_id, status, size in self._db.execute(sql, batch):
+                states[generation_id] = (status, size)
+        return states
+
+
+class _ChangePoller:
+    """Change notices for the live tails of one store: one task looks at every generation a
+    tail waits on, with one ``read_states`` call every ``poll_interval``, and wakes the tails
+    whose generation moved on. It runs while some tail waits, and stops when none does."""
+
+    def __init__(
+        self,
+        read_states: Callable[[list[str]], Awaitable[dict[str, tuple[str, int]]]],
+        *,
+        url: str,
+        poll_interval: float,
+    ) -> None:
+        self._read_states = read_states
+        self._url = url
+        self._poll_interval = poll_interval
+        # Tails waiting for a generation to move on from what they saw.
+        self._waiters: dict[
+            str, list[tuple[tuple[str, int], asyncio.Future[tuple[str, int] | None]]]
+        ] = {}
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def changed_from(
+        self, generation_id: str, seen: tuple[str, int], timeout: float
+    ) -> tuple[str, int] | None:
+        """(status, size) once it differs from ``seen``; None: gone, or not known."""
         waiter: asyncio.Future[tuple[str, int] | None] = asyncio.get_running_loop().create_future()
         waiting = self._waiters.setdefault(generation_id, [])
         entry = (seen, waiter)
@@ -575,18 +609,24 @@ class SQLiteStore:
                 if not waiting:
                     del self._waiters[generation_id]
 
+    async def aclose(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
     async def _watch(self) -> None:
         """Every ``poll_interval``, one look at every generation a tail waits on."""
         while self._waiters:
-            await asyncio.sleep(self.poll_interval)
+            await asyncio.sleep(self._poll_interval)
             ids = list(self._waiters)
             if not ids:
                 break
             try:
-                states: dict[str, tuple[str, int]] | None = await self._run(self._states, ids)
+                states: dict[str, tuple[str, int]] | None = await self._read_states(ids)
             except Exception as exc:
                 # Let the tails look for themselves: they report what is wrong.
-                logger.debug("polling %s for live tails failed: %s", self.url, exc)
+                logger.debug("polling %s for live tails failed: %s", self._url, exc)
                 states = None
             for generation_id in ids:
                 state = None if states is None else states.get(generation_id)
@@ -594,16 +634,6 @@ class SQLiteStore:
                 for seen, waiter in list(waiting):
                     if (states is None or seen != state) and not waiter.done():
                         waiter.set_result(state)
-
-    def _states(self, ids: list[str]) -> dict[str, tuple[str, int]]:
-        assert self._db is not None
-        states: dict[str, tuple[str, int]] = {}
-        for start in range(0, len(ids), _STATES_BATCH):
-            batch = ids[start : start + _STATES_BATCH]
-            sql = _STATES.format(", ".join("?" * len(batch)))
-            for generation_id, status, size in self._db.execute(sql, batch):
-                states[generation_id] = (status, size)
-        return states
 
 
 def _request_cancel(generation_id: str, db: sqlite3.Connection) -> bool:
