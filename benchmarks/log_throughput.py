@@ -57,7 +57,7 @@ async def one_round(backend: Backend, generations: int, chunks: int) -> float:
         while len(mw.supervisor):
             await asyncio.sleep(0.005)
         if isinstance(backend, DurableBackend):
-            while backend.pending_bytes() or backend._live:
+            while backend.pending_bytes() or len(backend._pending):
                 await asyncio.sleep(0.005)
         elapsed = time.perf_counter() - started
     assert mw.counters.detach_completed == generations, mw.counters.as_dict()

@@ -1,4 +1,7 @@
-"""What the SQLite and PostgreSQL backends share: batched flushes, leases, sweeps, tails."""
+"""What the SQLite and PostgreSQL backends share: batched flushes, leases, sweeps, claims.
+
+What waits for the next flush is in ``_pending``; generations followed in the store, ``_tails``.
+"""
 
 from __future__ import annotations
 
@@ -6,75 +9,25 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from array import array
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
 from .._errors import BackendUnavailable
 from .._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
+from ._pending import PendingWrites
+from ._tails import StoreTails
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Callable
 
     from .._contract import LiveLog
+    from ._pending import FlushBatch
 
 
-__all__ = ["DurableBackend", "FlushBatch", "SQLStore"]
+__all__ = ["DurableBackend", "SQLStore"]
 
 logger = logging.getLogger("asgi_disconnect")
-
-
-@dataclass
-class FlushBatch:
-    """Everything one flush writes, in one transaction."""
-
-    owner: str
-    lease: float
-    ttl: float
-    # (id, principal, status_code, content_type, policy, detached, created_at)
-    created: list[tuple[str, str, int, str | None, str | None, bool, float]] = field(
-        default_factory=list
-    )
-    # (generation_id, start, data, sizes): the chunks one generation produced since the
-    # last flush, joined into one row; ``sizes`` keeps their boundaries (uint32 array).
-    chunks: list[tuple[str, int, bytes, bytes]] = field(default_factory=list)
-    # (id, policy, detached)
-    changed: list[tuple[str, str | None, bool]] = field(default_factory=list)
-    # (id, status, size, error, finished_at)
-    finished: list[tuple[str, str, int, str | None, float]] = field(default_factory=list)
-    # (generation_id, principal, route, outcome, input_tokens, output_tokens, usage_source,
-    #  the whole record as JSON, request id): a flush that may have committed is sent again,
-    #  and the request id keeps its record once
-    usage: list[UsageRow] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.created or self.chunks or self.changed or self.finished or self.usage)
-
-    def touched(self) -> set[str]:
-        ids = {row[0] for row in self.chunks}
-        ids.update(row[0] for row in self.finished)
-        ids.update(row[0] for row in self.changed)
-        return ids
-
-
-UsageRow = tuple[str | None, str | None, str, str, int | None, int | None, str, bytes, str]
-
-
-def usage_row(record: UsageRecord) -> UsageRow:
-    return (
-        record.generation_id,
-        record.principal,
-        record.route,
-        record.outcome,
-        record.input_tokens,
-        record.output_tokens,
-        record.usage_source,
-        msgspec.json.encode(record),
-        # One record per request: its generation id, or (metering alone) an id of its own.
-        record.generation_id or "req_" + secrets.token_hex(12),
-    )
 
 
 def encode_response(response: StoredResponse) -> bytes:
@@ -184,70 +137,8 @@ class SQLStore(Protocol):
     async def end_session(self, principal: str, session_id: str) -> bool: ...
 
 
-@runtime_checkable
-class ChangeNotices(Protocol):
-    """A store whose one poller tells each live tail when its generation moved on (SQLite)."""
-
-    async def changed_from(
-        self, generation_id: str, seen: tuple[str, int], timeout: float
-    ) -> tuple[str, int] | None:
-        """Wait until (status, size) moved on from ``seen``; what it is now, or None."""
-
-
-# With change notices, a tail asks the store again unprompted only as a safety net.
-_NOTICE_TIMEOUT = 1.0
 # How often a process asks the store whether an owner wants one of its generations stopped.
 _CANCEL_POLL = 0.25
-
-
-class _Tail:
-    """A generation produced elsewhere, followed once for every reader in this process.
-
-    One task looks at the store when it changed and reads what it gained; the latest piece
-    read stays here, so readers that kept up take it without a query. A reader behind the
-    piece reads the store on its own until it catches up.
-    """
-
-    __slots__ = ("end", "error", "final", "gone", "piece", "readers", "ready", "start", "waiters")
-
-    def __init__(self) -> None:
-        self.start = 0  # the latest piece spans [start, end)
-        self.end = 0
-        self.piece = b""
-        self.ready = False  # the first look at the store is done
-        self.final = False  # it ended and every byte of it was read
-        self.gone = False  # unknown or expired
-        self.error: BaseException | None = None
-        self.readers = 0
-        self.waiters: list[asyncio.Future[None]] = []
-
-    def changed(self) -> asyncio.Future[None]:
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiters.append(waiter)
-        return waiter
-
-    def wake(self) -> None:
-        waiters, self.waiters = self.waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-
-class _Tracked:
-    """A live generation and how much of it is already durable."""
-
-    __slots__ = ("chunks", "created", "generation", "meta", "size", "unsure")
-
-    def __init__(self, generation: LiveLog) -> None:
-        self.generation = generation
-        self.created = False
-        self.chunks = 0
-        self.size = 0
-        self.meta: tuple[str | None, bool] = (generation.policy, generation.detached)
-        # Chunk rows (start, data, sizes) of a flush that failed or was cancelled, which
-        # may have committed all the same: sent again exactly as they were, so that ``on
-        # conflict do nothing`` keeps them once and a longer row never replaces them.
-        self.unsure: list[tuple[int, bytes, bytes]] = []
 
 
 class DurableBackend:
@@ -285,7 +176,6 @@ class DurableBackend:
                 "ttl, sweep_interval, reap_interval and max_pending_usage must be positive"
             )
         self.max_pending_usage = max_pending_usage
-        self.usage_dropped = 0
         self.store = store
         self.url = store.url
         self.flush_interval = flush_interval
@@ -295,15 +185,15 @@ class DurableBackend:
         self.ttl = ttl
         self.reap_interval = reap_interval
         self.owner = secrets.token_hex(8)
-        self._live: dict[str, _Tracked] = {}
+        self._pending = PendingWrites(
+            owner=self.owner, lease=lease, ttl=ttl, max_usage=max_pending_usage, url=self.url
+        )
         self._opened = False
         self._opening: asyncio.Task[None] | None = None
         self._worker: asyncio.Task[None] | None = None
         self._flush_lock: asyncio.Lock | None = None
         self._failures = 0
-        self._usage: list[UsageRow] = []
-        self._tails: dict[str, tuple[_Tail, asyncio.Task[None]]] = {}
-        self._notices = store if isinstance(store, ChangeNotices) else None
+        self._tails = StoreTails(store, self.url)
         self.on_cancel: Callable[[str], bool] | None = None
 
     # -- life cycle -------------------------------------------------------------------
@@ -353,7 +243,7 @@ class DurableBackend:
         if worker is not None:
             worker.cancel()
             await asyncio.gather(worker, return_exceptions=True)
-        await self._stop_tails()
+        await self._tails.aclose()
         try:
             while await self.flush():
                 pass
@@ -374,34 +264,19 @@ class DurableBackend:
         """A usage sink: the record is written with the next flush. While the store is
         down, at most ``max_pending_usage`` records wait in memory; past that the oldest
         are dropped (``usage_dropped`` counts them, and an error says so)."""
-        self._usage.append(usage_row(record))
-        if len(self._usage) > self.max_pending_usage:
-            self._drop_usage()
+        self._pending.add_usage(record)
 
-    def _drop_usage(self) -> None:
-        over = len(self._usage) - self.max_pending_usage
-        if over <= 0:
-            return
-        del self._usage[:over]
-        if (
-            not self.usage_dropped
-            or self.usage_dropped // 1000 < (self.usage_dropped + over) // 1000
-        ):
-            logger.error(
-                "%s is unreachable and %d usage records wait in memory: dropped the oldest "
-                "(%d so far); they are still in every other sink",
-                self.url,
-                self.max_pending_usage,
-                self.usage_dropped + over,
-            )
-        self.usage_dropped += over
+    @property
+    def usage_dropped(self) -> int:
+        """Usage records dropped while the store was unreachable."""
+        return self._pending.usage_dropped
 
     async def usage_of(self, generation_id: str) -> list[UsageRecord]:
         """The usage records stored for a generation (normally one)."""
 
         await self._ensure_open()
         rows = await self.store.usage(generation_id)
-        pending = [row[7] for row in self._usage if row[0] == generation_id]
+        pending = self._pending.usage_of(generation_id)
         return [msgspec.json.decode(raw, type=UsageRecord) for raw in [*rows, *pending]]
 
     # -- claims: straight to the store, never batched ----------------------------------
@@ -442,7 +317,7 @@ class DurableBackend:
         await self.store.note_generation(principal, key, owner=owner, generation_id=generation_id)
 
     def register(self, generation: LiveLog) -> None:
-        self._live[generation.id] = _Tracked(generation)
+        self._pending.track(generation)
         if not self._opened and self._opening is None:
             # No lifespan ran: open on first use.
             self._opening = asyncio.ensure_future(self._open())
@@ -460,9 +335,9 @@ class DurableBackend:
                 while await self.flush():
                     pass
                 if started >= next_cancel:
-                    if self._live and self.on_cancel is not None:
+                    if self._pending and self.on_cancel is not None:
                         for generation_id in await self.store.cancel_requests(self.owner):
-                            if generation_id in self._live:
+                            if self._pending.live(generation_id) is not None:
                                 self.on_cancel(generation_id)
                     next_cancel = started + _CANCEL_POLL
                 if started >= next_heartbeat:
@@ -501,113 +376,15 @@ class DurableBackend:
         lock = self._flush_lock
         assert lock is not None
         async with lock:
-            batch, more, done = self._collect()
-            usage, self._usage = self._usage, []
-            batch.usage = usage
+            batch, more, done = self._pending.take(self.flush_max_bytes)
             if batch:
                 try:
                     await self.store.flush(batch)
                 except BaseException:
-                    self._usage[:0] = usage
-                    self._drop_usage()
-                    self._unsure(batch)
+                    self._pending.failed(batch)
                     raise
-                self._committed(batch, done)
+                self._pending.committed(batch, done)
             return more
-
-    def _unsure(self, batch: FlushBatch) -> None:
-        for generation_id, start, data, sizes in batch.chunks:
-            tracked = self._live.get(generation_id)
-            if tracked is None:
-                continue
-            unsure = tracked.unsure
-            if not unsure or start >= unsure[-1][0] + len(unsure[-1][1]):
-                unsure.append((start, data, sizes))
-
-    def _collect(self) -> tuple[FlushBatch, bool, list[_Tracked]]:
-        batch = FlushBatch(owner=self.owner, lease=self.lease, ttl=self.ttl)
-        budget = self.flush_max_bytes
-        more = False
-        done: list[_Tracked] = []
-        for tracked in list(self._live.values()):
-            generation = tracked.generation
-            # Read the status first: a generation that ends meanwhile is flushed next time.
-            running = generation.running
-            if not tracked.created:
-                info = generation.info()
-                batch.created.append(
-                    (
-                        info.id,
-                        generation.principal,
-                        info.status_code,
-                        info.content_type,
-                        info.policy,
-                        info.detached,
-                        info.created_at,
-                    )
-                )
-            count = generation.chunk_count
-            start = tracked.size
-            taken = tracked.chunks
-            for row in tracked.unsure:
-                batch.chunks.append((generation.id, *row))
-                budget -= len(row[1])
-                start = row[0] + len(row[1])
-                taken += len(row[2]) // 4
-            pending = generation.chunks_from(taken)[: count - taken]
-            if pending and budget > 0:
-                taken_chunks = pending
-                size = 0
-                for index, chunk in enumerate(pending):
-                    size += len(chunk)
-                    if size >= budget:
-                        taken_chunks = pending[: index + 1]
-                        break
-                budget -= size
-                data = taken_chunks[0] if len(taken_chunks) == 1 else b"".join(taken_chunks)
-                sizes = array("I", [len(chunk) for chunk in taken_chunks]).tobytes()
-                batch.chunks.append((generation.id, start, data, sizes))
-                start += len(data)
-                pending = pending[len(taken_chunks) :]
-            if pending:
-                more = True
-            complete = not pending
-            meta = (generation.policy, generation.detached)
-            if tracked.created and meta != tracked.meta:
-                batch.changed.append((generation.id, meta[0], meta[1]))
-            if not running and complete:
-                info = generation.info()
-                assert info.finished_at is not None
-                batch.finished.append(
-                    (info.id, info.status.value, start, info.error, info.finished_at)
-                )
-                done.append(tracked)
-        return batch, more, done
-
-    def _committed(self, batch: FlushBatch, done: list[_Tracked]) -> None:
-        ends: dict[str, tuple[int, int]] = {}
-        for generation_id, start, data, sizes in batch.chunks:
-            count, _ = ends.get(generation_id, (0, 0))
-            ends[generation_id] = (count + len(sizes) // 4, start + len(data))
-        for row in batch.created:
-            tracked = self._live.get(row[0])
-            if tracked is not None:
-                tracked.created = True
-                tracked.meta = (row[4], row[5])
-        for generation_id, (count, end) in ends.items():
-            tracked = self._live.get(generation_id)
-            if tracked is not None:
-                tracked.chunks += count
-                tracked.size = end
-                tracked.unsure = []
-                # Memory lets go of what is durable and its own client no longer needs.
-                tracked.generation.stored(end)
-        for generation_id, policy, detached in batch.changed:
-            tracked = self._live.get(generation_id)
-            if tracked is not None:
-                tracked.meta = (policy, detached)
-        for tracked in done:
-            self._live.pop(tracked.generation.id, None)
 
     # -- reads --------------------------------------------------------------------------
 
@@ -632,21 +409,21 @@ class DurableBackend:
             raise BackendUnavailable(f"session pins at {self.url}: {exc}") from exc
 
     async def request_cancel(self, generation_id: str) -> bool:
-        tracked = self._live.get(generation_id)
-        if tracked is not None:
+        generation = self._pending.live(generation_id)
+        if generation is not None:
             on_cancel = self.on_cancel
-            return on_cancel is not None and tracked.generation.running and on_cancel(generation_id)
+            return on_cancel is not None and generation.running and on_cancel(generation_id)
         await self._ensure_open()
         return await self.store.request_cancel(generation_id)
 
     def produces(self, generation_id: str) -> bool:
         """Whether this process produces the generation: its live log is ahead of the store."""
-        return generation_id in self._live
+        return self._pending.live(generation_id) is not None
 
     async def get(self, generation_id: str) -> GenerationInfo | None:
-        tracked = self._live.get(generation_id)
-        if tracked is not None:
-            return tracked.generation.info()
+        generation = self._pending.live(generation_id)
+        if generation is not None:
+            return generation.info()
         await self._ensure_open()
         found = await self.store.info(generation_id)
         return None if found is None else found[0]
@@ -657,16 +434,16 @@ class DurableBackend:
         return await self.store.recent(limit, status)
 
     async def principal_of(self, generation_id: str) -> str | None:
-        tracked = self._live.get(generation_id)
-        if tracked is not None:
-            return tracked.generation.principal
+        generation = self._pending.live(generation_id)
+        if generation is not None:
+            return generation.principal
         await self._ensure_open()
         found = await self.store.info(generation_id)
         return None if found is None else found[1]
 
     async def follow(self, generation_id: str, offset: int) -> AsyncGenerator[bytes, None]:
-        tracked = self._live.get(generation_id)
-        if tracked is not None:
+        generation = self._pending.live(generation_id)
+        if generation is not None:
             # Produced here: read the live log, which is ahead of the database; what it
             # released is in the database.
 
@@ -678,104 +455,12 @@ class DurableBackend:
                     )
                 return data
 
-            async for data in tracked.generation.follow(offset, released):
+            async for data in generation.follow(offset, released):
                 yield data
             return
         await self._ensure_open()
-        entry = self._tails.get(generation_id)
-        if entry is None or entry[0].error is not None:
-            tail = _Tail()
-            task = asyncio.ensure_future(self._poll_tail(generation_id, tail))
-            entry = self._tails[generation_id] = (tail, task)
-        tail, task = entry
-        tail.readers += 1
-        try:
-            while True:
-                if tail.error is not None:
-                    raise BackendUnavailable(
-                        f"following {generation_id} in {self.url} failed: {tail.error}"
-                    ) from tail.error
-                if not tail.ready:
-                    data = b""
-                elif tail.start <= offset < tail.end:
-                    data = tail.piece[offset - tail.start :]
-                elif offset < tail.start:
-                    # Behind the shared piece: catch up on its own.
-                    data = await self.store.read(generation_id, offset, 1 << 20)
-                    if not data:
-                        return  # its rows are gone: expired and reaped
-                else:
-                    data = b""
-                if data:
-                    offset += len(data)
-                    yield data
-                    continue
-                if tail.gone or (tail.final and offset >= tail.end):
-                    return
-                await tail.changed()
-        finally:
-            tail.readers -= 1
-            if not tail.readers and self._tails.get(generation_id) is entry:
-                del self._tails[generation_id]
-                task.cancel()
-
-    async def _poll_tail(self, generation_id: str, tail: _Tail) -> None:
-        """Look at the store for ``tail`` each time it changed; read what it gained, once."""
-        store = self.store
-        # (status, size) as a change notice gave it; None: ask the store.
-        state: tuple[str, int] | None = None
-        try:
-            while True:
-                if state is None:
-                    found = await store.info(generation_id)
-                    if found is None:
-                        tail.gone = True
-                        return
-                    state = (found[0].status.value, found[0].size)
-                status, size = state
-                if not tail.ready:
-                    # Readers read what is stored so far themselves, from their own offsets.
-                    tail.start = tail.end = size
-                    tail.ready = True
-                    tail.wake()
-                while tail.end < size:
-                    data = await store.read(generation_id, tail.end, 1 << 20)
-                    if not data:
-                        break  # expired meanwhile, or rows short of the size
-                    tail.start, tail.piece = tail.end, data
-                    tail.end += len(data)
-                    tail.wake()
-                # The final status and the last rows are written in one transaction.
-                if status != Status.RUNNING:
-                    if tail.end < size:
-                        logger.warning(
-                            "generation %s is stored as %d bytes but its rows end at %d",
-                            generation_id,
-                            size,
-                            tail.end,
-                        )
-                    tail.final = True
-                    return
-                if self._notices is not None:
-                    state = await self._notices.changed_from(generation_id, state, _NOTICE_TIMEOUT)
-                else:
-                    await store.changed(generation_id, store.poll_interval)
-                    state = None
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            tail.error = exc
-        finally:
-            tail.wake()
-
-    async def _stop_tails(self) -> None:
-        tails, self._tails = self._tails, {}
-        for tail, task in tails.values():
-            task.cancel()
-            tail.error = BackendUnavailable(f"{self.url} was closed")
-        await asyncio.gather(*(task for _, task in tails.values()), return_exceptions=True)
-        for tail, _ in tails.values():
-            tail.wake()
+        async for data in self._tails.follow(generation_id, offset):
+            yield data
 
     @property
     def failure(self) -> str | None:
@@ -790,7 +475,7 @@ class DurableBackend:
 
     def pending_bytes(self) -> int:
         """Bytes produced in this process and not yet durable."""
-        return sum(t.generation.size - t.size for t in self._live.values())
+        return self._pending.pending_bytes()
 
 
 def _log_open_failure(task: asyncio.Task[None]) -> None:

@@ -12,13 +12,8 @@ from urllib.parse import urlsplit
 
 from .._errors import BackendUnavailable
 from .._records import Claim, ClaimState, GenerationInfo, StoredResponse
-from ._durable import (
-    FlushBatch,
-    claim_from_row,
-    encode_response,
-    info_from_row,
-    join_from,
-)
+from ._durable import claim_from_row, encode_response, info_from_row, join_from
+from ._pending import FlushBatch
 
 if TYPE_CHECKING:
     import asyncpg

@@ -214,8 +214,8 @@ async def test_a_cancel_on_sqlite_reads_its_released_text_back(tmp_path: Path) -
 
         async def watch() -> None:
             while True:
-                for generation in list(getattr(backend, "_live", {}).values()):
-                    released.append(generation.generation.base)
+                for generation in list(getattr(backend, "_pending", ())):
+                    released.append(generation.base)
                 await asyncio.sleep(0.01)
 
         watcher = asyncio.create_task(watch())

@@ -1,0 +1,257 @@
+"""What a durable backend has not written yet, and the batch one flush writes of it."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from array import array
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from .._records import UsageRecord
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from .._contract import LiveLog
+
+__all__ = ["FlushBatch", "PendingWrites", "UsageRow", "usage_row"]
+
+logger = logging.getLogger("asgi_disconnect")
+
+
+@dataclass
+class FlushBatch:
+    """Everything one flush writes, in one transaction."""
+
+    owner: str
+    lease: float
+    ttl: float
+    # (id, principal, status_code, content_type, policy, detached, created_at)
+    created: list[tuple[str, str, int, str | None, str | None, bool, float]] = field(
+        default_factory=list
+    )
+    # (generation_id, start, data, sizes): the chunks one generation produced since the
+    # last flush, joined into one row; ``sizes`` keeps their boundaries (uint32 array).
+    chunks: list[tuple[str, int, bytes, bytes]] = field(default_factory=list)
+    # (id, policy, detached)
+    changed: list[tuple[str, str | None, bool]] = field(default_factory=list)
+    # (id, status, size, error, finished_at)
+    finished: list[tuple[str, str, int, str | None, float]] = field(default_factory=list)
+    # (generation_id, principal, route, outcome, input_tokens, output_tokens, usage_source,
+    #  the whole record as JSON, request id): a flush that may have committed is sent again,
+    #  and the request id keeps its record once
+    usage: list[UsageRow] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.created or self.chunks or self.changed or self.finished or self.usage)
+
+    def touched(self) -> set[str]:
+        ids = {row[0] for row in self.chunks}
+        ids.update(row[0] for row in self.finished)
+        ids.update(row[0] for row in self.changed)
+        return ids
+
+
+UsageRow = tuple[str | None, str | None, str, str, int | None, int | None, str, bytes, str]
+
+
+def usage_row(record: UsageRecord) -> UsageRow:
+    return (
+        record.generation_id,
+        record.principal,
+        record.route,
+        record.outcome,
+        record.input_tokens,
+        record.output_tokens,
+        record.usage_source,
+        msgspec.json.encode(record),
+        # One record per request: its generation id, or (metering alone) an id of its own.
+        record.generation_id or "req_" + secrets.token_hex(12),
+    )
+
+
+class _Tracked:
+    """A live generation and how much of it is already durable."""
+
+    __slots__ = ("chunks", "created", "generation", "meta", "size", "unsure")
+
+    def __init__(self, generation: LiveLog) -> None:
+        self.generation = generation
+        self.created = False
+        self.chunks = 0
+        self.size = 0
+        self.meta: tuple[str | None, bool] = (generation.policy, generation.detached)
+        # Chunk rows (start, data, sizes) of a flush that failed or was cancelled, which
+        # may have committed all the same: sent again exactly as they were, so that ``on
+        # conflict do nothing`` keeps them once and a longer row never replaces them.
+        self.unsure: list[tuple[int, bytes, bytes]] = []
+
+
+class PendingWrites:
+    """What this process produced and the store does not hold yet: each live generation
+    (and how much of it is durable) and the usage records. :meth:`take` makes the batch of
+    one flush; :meth:`committed` and :meth:`failed` say how that flush went.
+
+    ``len()`` is the number of live generations not yet written to their end. While the
+    store is down, at most ``max_usage`` usage records wait; past that the oldest are
+    dropped, and ``usage_dropped`` counts them.
+    """
+
+    def __init__(self, *, owner: str, lease: float, ttl: float, max_usage: int, url: str) -> None:
+        self.owner = owner
+        self.lease = lease
+        self.ttl = ttl
+        self.max_usage = max_usage
+        self.usage_dropped = 0
+        self._url = url
+        self._live: dict[str, _Tracked] = {}
+        self._usage: list[UsageRow] = []
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[LiveLog]:
+        """The live generations not yet written to their end."""
+        return (tracked.generation for tracked in list(self._live.values()))
+
+    def track(self, generation: LiveLog) -> None:
+        self._live[generation.id] = _Tracked(generation)
+
+    def live(self, generation_id: str) -> LiveLog | None:
+        """The generation, if this process produces it and it is not all written yet."""
+        tracked = self._live.get(generation_id)
+        return None if tracked is None else tracked.generation
+
+    def pending_bytes(self) -> int:
+        return sum(t.generation.size - t.size for t in self._live.values())
+
+    def add_usage(self, record: UsageRecord) -> None:
+        self._usage.append(usage_row(record))
+        if len(self._usage) > self.max_usage:
+            self._drop_usage()
+
+    def usage_of(self, generation_id: str) -> list[bytes]:
+        """The generation's usage records not written yet, as JSON."""
+        return [row[7] for row in self._usage if row[0] == generation_id]
+
+    def _drop_usage(self) -> None:
+        over = len(self._usage) - self.max_usage
+        if over <= 0:
+            return
+        del self._usage[:over]
+        if (
+            not self.usage_dropped
+            or self.usage_dropped // 1000 < (self.usage_dropped + over) // 1000
+        ):
+            logger.error(
+                "%s is unreachable and %d usage records wait in memory: dropped the oldest "
+                "(%d so far); they are still in every other sink",
+                self._url,
+                self.max_usage,
+                self.usage_dropped + over,
+            )
+        self.usage_dropped += over
+
+    def take(self, budget: int) -> tuple[FlushBatch, bool, list[_Tracked]]:
+        """What the next flush writes: the usage records, and about ``budget`` bytes of new
+        chunks; whether more chunks are left; the generations it writes to their end."""
+        batch = FlushBatch(owner=self.owner, lease=self.lease, ttl=self.ttl)
+        more = False
+        done: list[_Tracked] = []
+        for tracked in list(self._live.values()):
+            generation = tracked.generation
+            # Read the status first: a generation that ends meanwhile is flushed next time.
+            running = generation.running
+            if not tracked.created:
+                info = generation.info()
+                batch.created.append(
+                    (
+                        info.id,
+                        generation.principal,
+                        info.status_code,
+                        info.content_type,
+                        info.policy,
+                        info.detached,
+                        info.created_at,
+                    )
+                )
+            count = generation.chunk_count
+            start = tracked.size
+            taken = tracked.chunks
+            for row in tracked.unsure:
+                batch.chunks.append((generation.id, *row))
+                budget -= len(row[1])
+                start = row[0] + len(row[1])
+                taken += len(row[2]) // 4
+            pending = generation.chunks_from(taken)[: count - taken]
+            if pending and budget > 0:
+                taken_chunks = pending
+                size = 0
+                for index, chunk in enumerate(pending):
+                    size += len(chunk)
+                    if size >= budget:
+                        taken_chunks = pending[: index + 1]
+                        break
+                budget -= size
+                data = taken_chunks[0] if len(taken_chunks) == 1 else b"".join(taken_chunks)
+                sizes = array("I", [len(chunk) for chunk in taken_chunks]).tobytes()
+                batch.chunks.append((generation.id, start, data, sizes))
+                start += len(data)
+                pending = pending[len(taken_chunks) :]
+            if pending:
+                more = True
+            complete = not pending
+            meta = (generation.policy, generation.detached)
+            if tracked.created and meta != tracked.meta:
+                batch.changed.append((generation.id, meta[0], meta[1]))
+            if not running and complete:
+                info = generation.info()
+                assert info.finished_at is not None
+                batch.finished.append(
+                    (info.id, info.status.value, start, info.error, info.finished_at)
+                )
+                done.append(tracked)
+        batch.usage, self._usage = self._usage, []
+        return batch, more, done
+
+    def committed(self, batch: FlushBatch, done: list[_Tracked]) -> None:
+        """``batch`` is durable: count it, and forget the generations it ``done``."""
+        ends: dict[str, tuple[int, int]] = {}
+        for generation_id, start, data, sizes in batch.chunks:
+            count, _ = ends.get(generation_id, (0, 0))
+            ends[generation_id] = (count + len(sizes) // 4, start + len(data))
+        for row in batch.created:
+            tracked = self._live.get(row[0])
+            if tracked is not None:
+                tracked.created = True
+                tracked.meta = (row[4], row[5])
+        for generation_id, (count, end) in ends.items():
+            tracked = self._live.get(generation_id)
+            if tracked is not None:
+                tracked.chunks += count
+                tracked.size = end
+                tracked.unsure = []
+                # Memory lets go of what is durable and its own client no longer needs.
+                tracked.generation.stored(end)
+        for generation_id, policy, detached in batch.changed:
+            tracked = self._live.get(generation_id)
+            if tracked is not None:
+                tracked.meta = (policy, detached)
+        for tracked in done:
+            self._live.pop(tracked.generation.id, None)
+
+    def failed(self, batch: FlushBatch) -> None:
+        """Writing ``batch`` failed, or was cancelled, and may have committed all the same:
+        its usage records wait again, and its chunk rows are sent again as they were."""
+        self._usage[:0] = batch.usage
+        self._drop_usage()
+        for generation_id, start, data, sizes in batch.chunks:
+            tracked = self._live.get(generation_id)
+            if tracked is None:
+                continue
+            unsure = tracked.unsure
+            if not unsure or start >= unsure[-1][0] + len(unsure[-1][1]):
+                unsure.append((start, data, sizes))
