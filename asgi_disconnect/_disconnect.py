@@ -8,7 +8,7 @@ The flow of one request (see docs/architecture.md)::
 
 The app's ``send`` appends to the log and returns; it never waits on the client. How the
 app ended maps to the generation's status, the exchange's :class:`Ending` and the counters
-in one place, :meth:`_Exchange.app_ended`, whichever task ran the app.
+in one place, :meth:`Outcome.app_ended` (``_outcome.py``), whichever task ran the app.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from ._contract import (
 )
 from ._lifecycle import lifecycle_of
 from ._outbound import Outbound
+from ._outcome import Outcome
 from ._policy import Policy, PolicySource, check_source, resolve_policy, route_policy
 from ._problem import send_problem
 from ._reader import RequestReader
 from ._records import Status
 from ._resume import (
     DRAINED,
-    STOPPED,
     ResumeEndpoints,
     redact_tokens_in_access_logs,
 )
@@ -522,19 +522,15 @@ class _Exchange:
 
     __slots__ = (
         "app_error",
-        "app_outcome",
         "app_task",
-        "cancelled_by_policy",
-        "drained",
-        "interrupt_reason",
         "mw",
         "out",
+        "outcome",
         "reader",
         "request_task",
         "scope",
         "stage",
         "state",
-        "stopped",
     )
 
     def __init__(
@@ -554,13 +550,8 @@ class _Exchange:
         self.request_task: asyncio.Task[Any] | None = None
         self.app_task: asyncio.Task[None] | None = None
         self.app_error: BaseException | None = None
-        # None while the app runs, then "returned", "failed", "cancelled" or "interrupted";
-        # written once, by app_ended.
-        self.app_outcome: str | None = None
-        self.cancelled_by_policy = False
-        self.interrupt_reason = "interrupted before it finished"
-        self.stopped = False  # its owner asked to stop it (POST .../cancel)
-        self.drained: int | None = None  # a drain ended it: retry after that many seconds
+        # How the app ended, and what that makes of its generation.
+        self.outcome = Outcome(self.out, state, mw.counters)
         self.stage = _RUNNING
 
     def move(self, to: Stage) -> None:
@@ -569,70 +560,13 @@ class _Exchange:
             raise RuntimeError(f"the exchange cannot go from {self.stage.value} to {to.value}")
         self.stage = to
 
-    # -- how it ended: one mapping for every path -------------------------------------
-
-    def app_ended(self, failure: BaseException | None) -> None:
-        """Record how the app ended: the generation's status, then maybe the exchange's end."""
-        generation = self.out.generation
-        if failure is None:
-            self.app_outcome = "returned"
-            if generation is not None and generation.running:
-                self.out.record_end(
-                    _STATUS_FAILED, "the app returned before its response was complete"
-                )
-        elif isinstance(failure, asyncio.CancelledError):
-            refused = self.out.writer.error if self.out.writer is not None else None
-            if refused is not None:
-                # The server refused a send; the app was stopped for it.
-                self.app_outcome = "failed"
-                self.out.record_end(_STATUS_FAILED, f"the server refused a send: {refused!r}"[:500])
-            elif self.cancelled_by_policy:
-                self.app_outcome = "cancelled"
-                if self.stopped:
-                    self.out.record_end(_STATUS_CANCELLED, STOPPED, code="cancelled")
-                else:
-                    self.out.record_end(
-                        _STATUS_CANCELLED, "cancelled after the client disconnected"
-                    )
-            else:
-                self.app_outcome = "interrupted"
-                if generation is not None and generation.running:
-                    self.mw.counters.interrupted += 1
-                self.state.note("interrupted")
-                self.out.record_end(_STATUS_INTERRUPTED, self.interrupt_reason)
-        else:
-            self.app_outcome = "failed"
-            self.out.failed(failure)
-        writer = self.out.writer
-        if writer is not None:
-            writer.direct = False
-            writer.closing = True
-            writer.wake()
-
-    def _ending(self) -> Ending:
-        outcome = self.app_outcome
-        if outcome == "cancelled":
-            return _ENDING_CANCELLED
-        if outcome == "interrupted":
-            return _ENDING_INTERRUPTED
-        writer = self.out.writer
-        if outcome == "failed" or (writer is not None and writer.error is not None):
-            return _ENDING_FAILED
-        generation = self.out.generation
-        if generation is not None and generation.status is _STATUS_FAILED:
-            return _ENDING_FAILED
-        delivery = writer.delivery if writer is not None else self.out.delivery
-        if delivery is _DONE:
-            return _ENDING_DELIVERED
-        return _ENDING_CUT
-
     def _finish(self) -> None:
         """The exchange is over: the app ended and nothing more is delivered."""
         state = self.state
         if (
             self.out.delivery is _DONE
             and self.out.writer is None
-            and self.app_outcome == "returned"
+            and self.outcome.app == "returned"
             and not state.detached
         ):
             self._end(_ENDING_DELIVERED)  # a response sent in one piece
@@ -644,7 +578,7 @@ class _Exchange:
         generation = self.out.generation
         if state.detached and generation is not None and generation.status is _STATUS_COMPLETE:
             self.mw.counters.detach_completed += 1
-        self._end(self._ending())
+        self._end(self.outcome.ending())
         writer = self.out.writer
         if writer is not None and writer.task.done():
             # The writer refers back to the exchange: unlink them, for reference counting.
@@ -713,29 +647,29 @@ class _Exchange:
                 # The app waits on something: watch the client meanwhile. An app that
                 # never waits needs no watcher.
                 self.request_task = asyncio.current_task()
-                self.start_watcher()
+                self.reader.start_watch()
                 await Resume(app, waiting_on)
         except asyncio.CancelledError as exc:
             failure = exc
             ours = self._cancelled_by_us()  # before app_ended, which reads whose it was
-            self.app_ended(exc)
+            self.outcome.app_ended(exc)
             if not ours:
                 raise
         except BaseException as exc:
             failure = exc
-            self.app_ended(exc)
+            self.outcome.app_ended(exc)
             raise
         else:
             generation = self.out.generation
             if self.out.writer is None and (generation is None or not generation.running):
-                self.app_outcome = "returned"
+                self.outcome.app = "returned"
             else:
-                self.app_ended(None)
+                self.outcome.app_ended(None)
         finally:
             writer = self.out.writer
             await self._end_inline(writer)
         refused = writer.error if writer is not None else None
-        if refused is not None and (failure is None or self.cancelled_by_policy):
+        if refused is not None and (failure is None or self.outcome.cancelled_by_policy):
             raise refused
 
     def _cancelled_by_us(self) -> bool:
@@ -743,17 +677,19 @@ class _Exchange:
         request returns); one from outside goes on."""
         task = asyncio.current_task()
         assert task is not None
-        if not self.cancelled_by_policy or task.uncancel() > 0:
-            self.cancelled_by_policy = False
+        if not self.outcome.cancelled_by_policy or task.uncancel() > 0:
+            self.outcome.cancelled_by_policy = False
             return False
         return True
 
     async def _end_inline(self, writer: ClientWriter | None) -> None:
         """The inline app is over: stop watching, and end the exchange once the writer
         handed over what it still holds."""
+        reader = self.reader
         if writer is None:
-            self._stop_watcher()
-            if self.out.delivery is _DONE and self.app_outcome == "returned":
+            if not self.state.detached:
+                reader.stop()
+            if self.out.delivery is _DONE and self.outcome.app == "returned":
                 self._end(_ENDING_DELIVERED)  # a response sent in one piece
             else:
                 self._finish()
@@ -761,24 +697,9 @@ class _Exchange:
         try:
             await self._join_writer()
         finally:
-            self._stop_watcher()
+            if not self.state.detached:
+                reader.stop()
             self._finish()
-
-    def _stop_watcher(self) -> None:
-        reader = self.reader
-        if reader.task is not None and not self.state.detached:
-            reader.stop()
-
-    def start_watcher(self) -> None:
-        """Watch the client from a task of its own while the app runs in the request's."""
-        reader = self.reader
-        if reader.task is None and not self.handed():
-            reader.task = asyncio.get_running_loop().create_task(self._watch_inline())
-
-    async def _watch_inline(self) -> None:
-        reason = await self.reader.watch()
-        if reason in ("client", "lag", "error", "silent"):
-            await self._client_lost(reason)
 
     # -- supervised: the app runs in the supervisor's task, the request task watches ---
 
@@ -805,11 +726,12 @@ class _Exchange:
             await self._join_writer()
             await join(app_task)
         elif reason != "done":
-            await self._client_lost(reason)
+            await self.client_lost(reason)
             if not app_task.done():
                 return
         self._finish()
-        if self.drained is not None and self.out.generation is None and not self.out.client_gone:
+        drained = self.outcome.drained
+        if drained is not None and self.out.generation is None and not self.out.client_gone:
             # A drain's deadline came before the app started its response: retry elsewhere.
             await send_problem(
                 self.out.send,
@@ -817,7 +739,7 @@ class _Exchange:
                 "draining",
                 "Service Unavailable",
                 "This server is draining for a restart; retry, another replica will answer.",
-                headers=[(b"retry-after", b"%d" % self.drained), (b"connection", b"close")],
+                headers=[(b"retry-after", b"%d" % drained), (b"connection", b"close")],
             )
             return
         error = self.app_error or (self.out.writer.error if self.out.writer is not None else None)
@@ -843,7 +765,7 @@ class _Exchange:
                 await _teardown(app_task)
             return
         if stage is _RUNNING:
-            policy = self.mw.resolve(self.scope) if self.app_outcome is None else Policy.CANCEL
+            policy = self.mw.resolve(self.scope) if self.outcome.app is None else Policy.CANCEL
             if (
                 policy is Policy.DETACH
                 and self.mw.owns_detached()
@@ -888,7 +810,9 @@ class _Exchange:
         if writer.delivery is not _DONE and writer.delivery is not _GONE:
             writer.delivery = _GONE
 
-    async def _client_lost(self, reason: str) -> None:
+    async def client_lost(self, reason: str) -> None:
+        """The client left (``client``, ``silent``), lags, or the server refused a send
+        (``error``): the route's policy applies, once."""
         mw = self.mw
         state = self.state
         self.out.client_gone = True
@@ -921,7 +845,7 @@ class _Exchange:
                 mw._cancel_only[(self.scope["method"], self.scope["path"])] = False
             elif not mw.owns_detached():
                 # Without the lifespan protocol nothing but this request owns the work.
-                self.interrupt_reason = _NO_LIFESPAN
+                self.outcome.interrupt_reason = _NO_LIFESPAN
                 await join(runner)
             return
         state.policy = policy
@@ -932,7 +856,7 @@ class _Exchange:
             mw.counters.cancelled += 1
         state.note("cancelled")
         self.move(_CANCELLING)
-        self.cancelled_by_policy = True
+        self.outcome.cancelled_by_policy = True
         self._cancel(runner)
         if state.upstreams:
             await shielded(state.close_upstreams())
@@ -947,50 +871,53 @@ class _Exchange:
     def stop(self) -> bool:
         """Stop the work on its owner's request: as a disconnect under the cancel policy,
         whether the client is still reading or the work detached. True if it was running."""
-        runner = self.app_task or self.request_task
-        stage = self.stage
-        if (
-            (stage is not _RUNNING and stage is not _DETACHED)
-            or self.app_outcome is not None
-            or runner is None
-            or runner.done()
-        ):
+        runner = self._cancellable()
+        if runner is None:
             return False
         self.move(_CANCELLING)
-        self.stopped = True
+        outcome = self.outcome
+        outcome.stopped = outcome.cancelled_by_policy = True
         state = self.state
         state.policy = Policy.CANCEL
         generation = self.out.generation
         if generation is not None:
             generation.policy = Policy.CANCEL.value
         self.mw.counters.stopped += 1
-        state.note("stopped")
-        self.cancelled_by_policy = True
-        self._cancel(runner)
-        if state.upstreams:
-            self.mw.supervisor.spawn(state.close_upstreams())
+        self._cancel_now(runner, "stopped")
         return True
 
     def drain(self, retry_after: int) -> bool:
         """End the work at a drain's deadline, as interrupted; True if it was running."""
+        runner = self._cancellable()
+        if runner is None:
+            return False
+        self.move(_CANCELLING)
+        self.outcome.drained = retry_after
+        self.outcome.interrupt_reason = DRAINED
+        self.mw.counters.drained += 1
+        self._cancel_now(runner, "drained")
+        return True
+
+    def _cancellable(self) -> asyncio.Task[Any] | None:
+        """The task that runs the app, if a Stop or a drain can still cancel it."""
         runner = self.app_task or self.request_task
         stage = self.stage
         if (
             (stage is not _RUNNING and stage is not _DETACHED)
-            or self.app_outcome is not None
+            or self.outcome.app is not None
             or runner is None
             or runner.done()
         ):
-            return False
-        self.move(_CANCELLING)
-        self.drained = retry_after
-        self.interrupt_reason = DRAINED
-        self.state.note("drained")
-        self.mw.counters.drained += 1
+            return None
+        return runner
+
+    def _cancel_now(self, runner: asyncio.Task[Any], event: str) -> None:
+        """Cancel the app for a Stop or a drain; its upstreams close meanwhile."""
+        state = self.state
+        state.note(event)
         self._cancel(runner)
-        if self.state.upstreams:
-            self.mw.supervisor.spawn(self.state.close_upstreams())
-        return True
+        if state.upstreams:
+            self.mw.supervisor.spawn(state.close_upstreams())
 
     def _detach(self, policy: Policy) -> None:
         self.move(_DETACHED)
@@ -1013,7 +940,7 @@ class _Exchange:
         try:
             await self.mw.app(self.scope, self.reader.take, send)
         except asyncio.CancelledError as exc:
-            self.app_ended(exc)
+            self.outcome.app_ended(exc)
             task = asyncio.current_task()
             if task is not None and not task.cancelling() and not self.state.detached:
                 # Nobody cancelled it: the app raised it itself. The server hears of it in
@@ -1022,7 +949,7 @@ class _Exchange:
                 return
             raise
         except BaseException as exc:
-            self.app_ended(exc)
+            self.outcome.app_ended(exc)
             if self.state.detached:
                 logger.error(
                     "detached generation %s failed", self.state.generation_id, exc_info=exc
@@ -1030,4 +957,4 @@ class _Exchange:
             else:
                 self.app_error = exc
         else:
-            self.app_ended(None)
+            self.outcome.app_ended(None)

@@ -5,8 +5,7 @@ A response is a generation or it is not (:func:`kind_of`). A generation's start 
 the server, and the producer never waits on the client. A JSON response is held until its
 first bytes tell whether it is an LLM API's; anything else passes straight through. Every
 message keeps its place: trailers, ``pathsend`` and unknown types are queued behind the
-chunks produced before them. How a generation that did not complete ends (its status, an
-error frame for an event stream) is decided here too (:meth:`Outbound.record_end`).
+chunks produced before them.
 """
 
 from __future__ import annotations
@@ -59,9 +58,6 @@ def _ends(kind: str, message: Message) -> bool:
 
 class Owner(Protocol):
     """What the response side asks of the exchange that owns it."""
-
-    drained: int | None
-    stopped: bool
 
     def part_done(self, task: asyncio.Task[Any]) -> None: ...
 
@@ -165,9 +161,6 @@ class KeepAlive:
 class _Over:
     """The owner of a response whose exchange ended."""
 
-    drained: int | None = None
-    stopped = False
-
     def part_done(self, task: asyncio.Task[Any]) -> None:
         pass
 
@@ -268,58 +261,6 @@ class Outbound:
             self.scope, asyncio.get_running_loop(), self.owner.transport_lost, chunked=chunked
         )
         return watch
-
-    def record_end(
-        self,
-        status: Status,
-        error: str,
-        code: str = "incomplete_response",
-        frame: str = "",
-        *,
-        framed: bool = False,
-    ) -> None:
-        """End a generation that did not complete. A failed event stream, or one its owner
-        stopped, gets an error frame (``code``; ``frame`` its message, else ``error``) and a
-        proper end; any other response is left open, so the server aborts it rather than
-        end it cleanly."""
-        generation = self.generation
-        if generation is None or not generation.running:
-            return
-        owner = self.owner
-        drained = owner.drained
-        if (status is _STATUS_FAILED or owner.stopped or drained is not None) and is_event_stream(
-            generation.content_type
-        ):
-            if drained is not None:
-                code, frame = "draining", "The server is draining; retry on another replica."
-            if not framed:
-                generation.append_frame(
-                    error_frame(generation.id, code, frame or error, retry_after=drained)
-                )
-            generation.finish(status, error)
-            self.deliver_rest()
-            return
-        generation.finish(status, error)
-        if self.writer is not None:
-            self.writer.end_response = False
-
-    def failed(self, exc: BaseException) -> None:
-        # A stream that carries its provider's error event has its error frame already.
-        ending = self.state.stream_ending
-        self.record_end(
-            _STATUS_FAILED,
-            f"{type(exc).__name__}: {exc}"[:500],
-            str(getattr(exc, "error_type", "stream_error")),
-            "The stream failed after it started.",
-            framed=ending is not None and ending() == "error",
-        )
-
-    def deliver_rest(self) -> None:
-        """Hand the end of a generation (an error frame, the final body) to the client."""
-        if self.client_gone or self.generation is None:
-            return
-        writer = self.writer or self.open_writer()
-        writer.pump()
 
     async def app_send(self, message: Message) -> None:
         kind = message["type"]

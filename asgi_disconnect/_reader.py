@@ -32,8 +32,8 @@ class Owner(Protocol):
         """The app's next ``receive`` answers ``http.disconnect``."""
         ...
 
-    def start_watcher(self) -> None:
-        """Watch the client from a task of its own (the app runs in the request's task)."""
+    async def client_lost(self, reason: str) -> None:
+        """The watch of its own task saw the client go (``client``, ``lag``, ...)."""
         ...
 
 
@@ -46,7 +46,7 @@ class _Over:
     def hears_disconnect(self) -> bool:
         return True
 
-    def start_watcher(self) -> None:
+    async def client_lost(self, reason: str) -> None:
         pass
 
 
@@ -170,7 +170,7 @@ class RequestReader:
             if owner.hears_disconnect():
                 return _DISCONNECT
             if self.task is None:
-                owner.start_watcher()
+                self.start_watch()
             # Under detach the app never hears of the disconnect: it would stop itself.
             waiter = self.inbox_waiter = asyncio.get_running_loop().create_future()
             await waiter
@@ -187,8 +187,19 @@ class RequestReader:
         """Wake an app that waits for its body: it was cancelled."""
         self._give()
 
+    def start_watch(self) -> None:
+        """Watch the client from a task of its own, while the app runs in the request's
+        (a route that can only cancel); the owner hears of a client that went."""
+        if self.task is None and not self.owner.handed():
+            self.task = asyncio.get_running_loop().create_task(self._watch_alone())
+
+    async def _watch_alone(self) -> None:
+        reason = await self.watch()
+        if reason in ("client", "lag", "error", "silent"):
+            await self.owner.client_lost(reason)
+
     def stop(self) -> None:
-        """Stop a watch of its own task (one the exchange started for an inline app)."""
+        """Stop a watch of its own task (one started for an inline app)."""
         task = self.task
         if task is not None and not task.done():
             task.cancel()

@@ -1,0 +1,166 @@
+"""How one request's app ended, and what that makes of its generation and its exchange.
+
+Every path (returned, raised, cancelled by the policy, stopped by its owner, drained,
+interrupted from outside, stopped because the server refused a send) goes through
+:meth:`Outcome.app_ended`, whichever task ran the app: the generation's status, an error
+frame for an event stream that did not complete, and the counters, in one place;
+:meth:`Outcome.ending` is the exchange's :class:`Ending` from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from ._contract import Ending
+from ._records import Status
+from ._resume import STOPPED, error_frame, is_event_stream
+from ._writer import Delivery
+
+if TYPE_CHECKING:
+    from ._contract import RequestState
+    from ._disconnect import Counters
+    from ._outbound import Outbound
+
+__all__ = ["Outcome"]
+
+_DONE = Delivery.DONE
+_ENDING_CANCELLED = Ending.CANCELLED
+_ENDING_CUT = Ending.CUT
+_ENDING_DELIVERED = Ending.DELIVERED
+_ENDING_FAILED = Ending.FAILED
+_ENDING_INTERRUPTED = Ending.INTERRUPTED
+_STATUS_CANCELLED = Status.CANCELLED
+_STATUS_FAILED = Status.FAILED
+_STATUS_INTERRUPTED = Status.INTERRUPTED
+
+
+class Outcome:
+    """How the app of one exchange ended; see the module docstring."""
+
+    __slots__ = (
+        "app",
+        "cancelled_by_policy",
+        "counters",
+        "drained",
+        "interrupt_reason",
+        "out",
+        "state",
+        "stopped",
+    )
+
+    def __init__(self, out: Outbound, state: RequestState, counters: Counters) -> None:
+        self.out = out
+        self.state = state
+        self.counters = counters
+        # None while the app runs, then "returned", "failed", "cancelled" or "interrupted";
+        # written once, by app_ended.
+        self.app: str | None = None
+        self.cancelled_by_policy = False  # the policy, a Stop: not a cancel from outside
+        self.interrupt_reason = "interrupted before it finished"
+        self.stopped = False  # its owner asked to stop it (POST .../cancel)
+        self.drained: int | None = None  # a drain ended it: retry after that many seconds
+
+    def app_ended(self, failure: BaseException | None) -> None:
+        """Record how the app ended: the generation's status, then maybe the exchange's end."""
+        generation = self.out.generation
+        if failure is None:
+            self.app = "returned"
+            if generation is not None and generation.running:
+                self.record_end(_STATUS_FAILED, "the app returned before its response was complete")
+        elif isinstance(failure, asyncio.CancelledError):
+            refused = self.out.writer.error if self.out.writer is not None else None
+            if refused is not None:
+                # The server refused a send; the app was stopped for it.
+                self.app = "failed"
+                self.record_end(_STATUS_FAILED, f"the server refused a send: {refused!r}"[:500])
+            elif self.cancelled_by_policy:
+                self.app = "cancelled"
+                if self.stopped:
+                    self.record_end(_STATUS_CANCELLED, STOPPED, code="cancelled")
+                else:
+                    self.record_end(_STATUS_CANCELLED, "cancelled after the client disconnected")
+            else:
+                self.app = "interrupted"
+                if generation is not None and generation.running:
+                    self.counters.interrupted += 1
+                self.state.note("interrupted")
+                self.record_end(_STATUS_INTERRUPTED, self.interrupt_reason)
+        else:
+            self.app = "failed"
+            self.failed(failure)
+        writer = self.out.writer
+        if writer is not None:
+            writer.direct = False
+            writer.closing = True
+            writer.wake()
+
+    def ending(self) -> Ending:
+        """How the exchange ended, once the app did and nothing more is delivered."""
+        outcome = self.app
+        if outcome == "cancelled":
+            return _ENDING_CANCELLED
+        if outcome == "interrupted":
+            return _ENDING_INTERRUPTED
+        writer = self.out.writer
+        if outcome == "failed" or (writer is not None and writer.error is not None):
+            return _ENDING_FAILED
+        generation = self.out.generation
+        if generation is not None and generation.status is _STATUS_FAILED:
+            return _ENDING_FAILED
+        delivery = writer.delivery if writer is not None else self.out.delivery
+        if delivery is _DONE:
+            return _ENDING_DELIVERED
+        return _ENDING_CUT
+
+    def record_end(
+        self,
+        status: Status,
+        error: str,
+        code: str = "incomplete_response",
+        frame: str = "",
+        *,
+        framed: bool = False,
+    ) -> None:
+        """End a generation that did not complete. A failed event stream, or one its owner
+        stopped, gets an error frame (``code``; ``frame`` its message, else ``error``) and a
+        proper end; any other response is left open, so the server aborts it rather than
+        end it cleanly."""
+        generation = self.out.generation
+        if generation is None or not generation.running:
+            return
+        drained = self.drained
+        if (status is _STATUS_FAILED or self.stopped or drained is not None) and is_event_stream(
+            generation.content_type
+        ):
+            if drained is not None:
+                code, frame = "draining", "The server is draining; retry on another replica."
+            if not framed:
+                generation.append_frame(
+                    error_frame(generation.id, code, frame or error, retry_after=drained)
+                )
+            generation.finish(status, error)
+            self.deliver_rest()
+            return
+        generation.finish(status, error)
+        if self.out.writer is not None:
+            self.out.writer.end_response = False
+
+    def failed(self, exc: BaseException) -> None:
+        # A stream that carries its provider's error event has its error frame already.
+        ending = self.state.stream_ending
+        self.record_end(
+            _STATUS_FAILED,
+            f"{type(exc).__name__}: {exc}"[:500],
+            str(getattr(exc, "error_type", "stream_error")),
+            "The stream failed after it started.",
+            framed=ending is not None and ending() == "error",
+        )
+
+    def deliver_rest(self) -> None:
+        """Hand the end of a generation (an error frame, the final body) to the client."""
+        out = self.out
+        if out.client_gone or out.generation is None:
+            return
+        writer = out.writer or out.open_writer()
+        writer.pump()
