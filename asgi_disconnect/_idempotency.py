@@ -589,7 +589,11 @@ class IdempotencyMiddleware:
             await self._replay(claim, send)
             return
         _outcome(scope, "fresh")
-        await self._run_claimed(scope, receive, send, principal, key, owner, body)
+        claimed = _ClaimedRequest(self, scope, principal, key, owner)
+        # Renewed while the request runs (for detached work, until the generation ends),
+        # never after: a claim whose settle is pending expires at its lease if we die.
+        heartbeat = asyncio.ensure_future(self._heartbeat(owner))
+        await claimed.run(_replay_receive(body, receive), send, heartbeat)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         for name, value in scope["headers"]:
@@ -664,90 +668,72 @@ class IdempotencyMiddleware:
             last = index == len(chunks) - 1
             await send({"type": "http.response.body", "body": chunk, "more_body": not last})
 
-    async def _run_claimed(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        principal: str,
-        key: str,
-        owner: str,
-        body: bytes,
-    ) -> None:
-        response: dict[str, Any] = {"status": None, "headers": [], "chunks": [], "size": 0}
-        settled = False
+    def _note_generation(self, principal: str, key: str, owner: str, generation_id: str) -> None:
+        """Name the generation that answers the claim, for retries that attach to it."""
+        noting = asyncio.ensure_future(
+            self.backend.note_generation(principal, key, owner=owner, generation_id=generation_id)
+        )
+        self._noting.add(noting)
+        noting.add_done_callback(self._noting.discard)
 
-        def route_ttl() -> float:
-            ttl = getattr(scope.get("endpoint"), "__asgi_disconnect_idempotent__", None)
-            return self.ttl if ttl is None else float(ttl)
+    async def _heartbeat(self, owner: str) -> None:
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            try:
+                await self.backend.renew_claims(owner, self.lease)
+            except Exception as exc:
+                logger.warning("renewing idempotency leases failed: %s", exc)
+
+
+class _ClaimedRequest:
+    """One request that holds its key's claim: what the app answered, as far as it may be
+    stored, and how the claim ends (the response stored, or the claim released)."""
+
+    __slots__ = (
+        "chunks",
+        "headers",
+        "key",
+        "later",
+        "middleware",
+        "owner",
+        "principal",
+        "scope",
+        "settled",
+        "size",
+        "status",
+    )
+
+    def __init__(
+        self, middleware: IdempotencyMiddleware, scope: Scope, principal: str, key: str, owner: str
+    ) -> None:
+        self.middleware = middleware
+        self.scope = scope
+        self.principal = principal
+        self.key = key
+        self.owner = owner
+        self.status: int | None = None
+        self.headers: list[tuple[str, str]] = []
+        self.chunks: list[bytes] | None = []  # None: too large to store, kept no longer
+        self.size = 0
+        self.later = False  # the answer says "come back later": no result to store
+        self.settled = False
+
+    def route_ttl(self) -> float:
+        ttl = getattr(self.scope.get("endpoint"), "__asgi_disconnect_idempotent__", None)
+        return self.middleware.ttl if ttl is None else float(ttl)
+
+    async def run(self, receive: Receive, send: Send, heartbeat: asyncio.Future[None]) -> None:
+        """Run the app; settle the claim when the response ends, or when the work does."""
+        middleware = self.middleware
 
         async def tee(message: Message) -> None:
-            kind = message["type"]
-            if kind == "http.response.start":
-                status = response["status"] = message["status"]
-                # "Come back later" (a rate limit, an overload, a timeout) is no result: a
-                # client that waits and retries must reach the work again.
-                response["later"] = status in _COME_BACK_LATER or (
-                    status >= 400 and _retry_after(message.get("headers", ()))
-                )
-                state = scope.get("asgi_disconnect")
-                if self.attach and isinstance(state, RequestState):
-                    noting = asyncio.ensure_future(
-                        self.backend.note_generation(
-                            principal, key, owner=owner, generation_id=state.generation_id
-                        )
-                    )
-                    self._noting.add(noting)
-                    noting.add_done_callback(self._noting.discard)
-                response["headers"] = [
-                    (bytes(k).decode("latin-1"), bytes(v).decode("latin-1"))
-                    for k, v in message.get("headers", ())
-                    if bytes(k).decode("latin-1").lower() in self.replay_headers
-                ]
-            elif kind == "http.response.body":
-                chunk = message.get("body", b"")
-                if chunk:
-                    response["size"] += len(chunk)
-                    if response["size"] <= self.max_stored:
-                        response["chunks"].append(chunk)
-                    else:
-                        response["chunks"] = None  # too large to store: kept no longer
-                if not message.get("more_body", False):
-                    nonlocal settled
-                    settled = True
-                    state = scope.get("asgi_disconnect")
-                    generation = state.generation if isinstance(state, RequestState) else None
-                    # A stream the app ended short (its protocol said so) is as an upstream
-                    # failure: not stored, so a retry runs again.
-                    short = (
-                        generation is not None
-                        and generation.status != "complete"
-                        and generation.status_code < 400  # an error answer is whole
-                    )
-                    # Stored before the last byte leaves: a client that retries the moment
-                    # it has the response gets the replay, not a 409.
-                    await shielded(
-                        self.pending_settles.settle(
-                            self._ending(
-                                principal,
-                                key,
-                                owner,
-                                response,
-                                None,
-                                _INCOMPLETE if short else None,
-                                route_ttl(),
-                            )
-                        )
-                    )
+            await self.record(message)
             await send(message)
 
-        # Renewed while the request runs (for detached work, until the generation ends),
-        # never after: a claim whose settle is pending expires at its lease if we die.
-        heartbeat = asyncio.ensure_future(self._heartbeat(owner))
         token = _key_state.set("claimed")
         failure: BaseException | None = None
         try:
-            await self.app(scope, _replay_receive(body, receive), tee)
+            await middleware.app(self.scope, receive, tee)
         except IdempotencyKeyRequired:
             raise
         except BaseException as exc:
@@ -755,17 +741,15 @@ class IdempotencyMiddleware:
             raise
         finally:
             _key_state.reset(token)
-            state = scope.get("asgi_disconnect")
-            ttl = route_ttl()
-            if settled:
+            state = self.scope.get("asgi_disconnect")
+            ttl = self.route_ttl()
+            if self.settled:
                 heartbeat.cancel()
             elif isinstance(state, RequestState) and state.detached and not failure:
                 # The generation outlives this request: store it once it has ended.
                 def finished() -> None:
                     heartbeat.cancel()
-                    self.pending_settles.start(
-                        self._detached_ending(principal, key, owner, response, state, ttl)
-                    )
+                    middleware.pending_settles.start(self.detached_ending(state, ttl))
 
                 state.on_finished(finished)
             else:
@@ -774,17 +758,60 @@ class IdempotencyMiddleware:
                 # was cancelled): nothing complete to replay, so a retry runs again.
                 incomplete = failure or _INCOMPLETE
                 await shielded(
-                    self.pending_settles.settle(
-                        self._ending(principal, key, owner, response, None, incomplete, ttl)
-                    )
+                    middleware.pending_settles.settle(self.ending(None, incomplete, ttl))
                 )
 
-    def _ending(
+    async def record(self, message: Message) -> None:
+        """Keep what the app sends; at the response's end, settle the claim before the
+        last byte leaves."""
+        middleware = self.middleware
+        kind = message["type"]
+        if kind == "http.response.start":
+            status = self.status = message["status"]
+            # "Come back later" (a rate limit, an overload, a timeout) is no result: a
+            # client that waits and retries must reach the work again.
+            self.later = status in _COME_BACK_LATER or (
+                status >= 400 and _retry_after(message.get("headers", ()))
+            )
+            state = self.scope.get("asgi_disconnect")
+            if middleware.attach and isinstance(state, RequestState):
+                middleware._note_generation(
+                    self.principal, self.key, self.owner, state.generation_id
+                )
+            self.headers = [
+                (bytes(k).decode("latin-1"), bytes(v).decode("latin-1"))
+                for k, v in message.get("headers", ())
+                if bytes(k).decode("latin-1").lower() in middleware.replay_headers
+            ]
+        elif kind == "http.response.body":
+            chunk = message.get("body", b"")
+            if chunk:
+                self.size += len(chunk)
+                if self.size <= middleware.max_stored:
+                    if self.chunks is not None:
+                        self.chunks.append(chunk)
+                else:
+                    self.chunks = None
+            if not message.get("more_body", False):
+                self.settled = True
+                state = self.scope.get("asgi_disconnect")
+                generation = state.generation if isinstance(state, RequestState) else None
+                # A stream the app ended short (its protocol said so) is as an upstream
+                # failure: not stored, so a retry runs again.
+                short = (
+                    generation is not None
+                    and generation.status != "complete"
+                    and generation.status_code < 400  # an error answer is whole
+                )
+                # Stored before the last byte leaves: a client that retries the moment
+                # it has the response gets the replay, not a 409.
+                failure = _INCOMPLETE if short else None
+                await shielded(
+                    middleware.pending_settles.settle(self.ending(None, failure, self.route_ttl()))
+                )
+
+    def ending(
         self,
-        principal: str,
-        key: str,
-        owner: str,
-        response: dict[str, Any],
         generation: GenerationOutput | None,
         failure: BaseException | None,
         ttl: float,
@@ -792,9 +819,10 @@ class IdempotencyMiddleware:
     ) -> _Settle:
         """How the claim ends: the response to store, or a release so that a retry runs.
         ``chunks``: the body, when it is not what the client was sent (detached work)."""
-        status = response["status"]
+        middleware = self.middleware
+        status = self.status
         if chunks is None:
-            chunks = response["chunks"]
+            chunks = self.chunks
         if (
             generation is not None
             and generation.status.value != "complete"
@@ -804,31 +832,24 @@ class IdempotencyMiddleware:
         keep = (
             failure is None
             and status is not None
-            and status < self.store_below
-            and not response.get("later", False)
+            and status < middleware.store_below
+            and not self.later
             and chunks is not None
-            and sum(map(len, chunks)) <= self.max_stored
+            and sum(map(len, chunks)) <= middleware.max_stored
         )
         stored = None
         if keep:
             assert chunks is not None
+            assert status is not None
             stored = StoredResponse(
                 status=status,
-                headers=response["headers"],
+                headers=self.headers,
                 chunks=list(chunks),
                 generation_id=generation.id if generation is not None else None,
             )
-        return _Settle(principal, key, owner, stored, ttl)
+        return _Settle(self.principal, self.key, self.owner, stored, ttl)
 
-    async def _detached_ending(
-        self,
-        principal: str,
-        key: str,
-        owner: str,
-        response: dict[str, Any],
-        state: RequestState,
-        ttl: float,
-    ) -> _Settle:
+    async def detached_ending(self, state: RequestState, ttl: float) -> _Settle:
         """How the claim of work that detached ends: its whole generation, read back from
         the store that logs it (the request's ``log_store``) where memory released it, is
         the response to store."""
@@ -836,54 +857,45 @@ class IdempotencyMiddleware:
         chunks: list[bytes] | None = None
         if generation is not None and generation.status.value == "complete":
             store = state.log_store
-            if generation.size > self.max_stored:
+            if generation.size > self.middleware.max_stored:
                 chunks = None
             elif not generation.base:
                 chunks = generation.chunks_from(0)
             elif store is None:
                 chunks = None  # released, and nowhere to read it back: not stored
             else:
-                chunks = await self._read_back(store, generation, key)
+                chunks = await _read_back(store, generation, self.key)
                 if sum(map(len, chunks)) != generation.size:
                     logger.error(
                         "generation %s read back short from the store; the idempotency "
                         "claim %r is released, so the key runs again",
                         generation.id,
-                        key,
+                        self.key,
                     )
                     chunks = None
-        return self._ending(principal, key, owner, response, generation, None, ttl, chunks)
+        return self.ending(generation, None, ttl, chunks)
 
-    async def _read_back(
-        self, store: LogStore, generation: GenerationOutput, key: str
-    ) -> list[bytes]:
-        """The generation's bytes from ``store``, retried with backoff while it is down
-        (as a pending settle is, for as long as the process lives)."""
-        delay = 0.05
-        failures = 0
-        while True:
-            try:
-                return [data async for data in store.follow(generation.id, 0)]
-            except Exception as exc:
-                failures += 1
-                if failures == 1:
-                    logger.warning(
-                        "settling the idempotency claim %r waits for the store: reading "
-                        "generation %s back failed (%s)",
-                        key,
-                        generation.id,
-                        exc,
-                    )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
 
-    async def _heartbeat(self, owner: str) -> None:
-        while True:
-            await asyncio.sleep(self.lease / 3)
-            try:
-                await self.backend.renew_claims(owner, self.lease)
-            except Exception as exc:
-                logger.warning("renewing idempotency leases failed: %s", exc)
+async def _read_back(store: LogStore, generation: GenerationOutput, key: str) -> list[bytes]:
+    """The generation's bytes from ``store``, retried with backoff while it is down
+    (as a pending settle is, for as long as the process lives)."""
+    delay = 0.05
+    failures = 0
+    while True:
+        try:
+            return [data async for data in store.follow(generation.id, 0)]
+        except Exception as exc:
+            failures += 1
+            if failures == 1:
+                logger.warning(
+                    "settling the idempotency claim %r waits for the store: reading "
+                    "generation %s back failed (%s)",
+                    key,
+                    generation.id,
+                    exc,
+                )
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 2.0)
 
 
 def _replay_receive(body: bytes, receive: Receive) -> Receive:
