@@ -933,7 +933,8 @@ class FakeProvider:
         except _HttpError as exc:
             return await self._send_error(connection, request, api, exc.status, exc.message)
         record = self._record(connection, request.path, api, body, plan)
-        return await self._exchange(connection, record, plan, request.keep_alive)
+        response = _Response(connection, record, plan, self.model, self.input_tokens)
+        return await response.run(request.keep_alive)
 
     async def _send_error(
         self, connection: _Connection, request: _HttpRequest, api: str, status: int, message: str
@@ -1003,17 +1004,37 @@ class FakeProvider:
             self._signal.notify()
         return record
 
-    async def _exchange(
-        self, connection: _Connection, record: ProviderRequest, plan: _Plan, keep_alive: bool
-    ) -> bool:
-        """Produce the response while watching for the client hanging up."""
-        fmt: _Format
+
+class _Response:
+    """One response of the provider: it streams the plan's tokens (or answers once) in the
+    request's API, with the plan's faults, and records on ``record`` how it ended."""
+
+    __slots__ = ("connection", "fmt", "model", "plan", "record")
+
+    def __init__(
+        self,
+        connection: _Connection,
+        record: ProviderRequest,
+        plan: _Plan,
+        model: str,
+        input_tokens: int,
+    ) -> None:
+        self.connection = connection
+        self.record = record
+        self.plan = plan
+        self.model = model
+        self.fmt: _Format
         if record.api == OPENAI_CHAT:
-            fmt = _OpenAIChat(record.id, self.model, self.input_tokens)
+            self.fmt = _OpenAIChat(record.id, model, input_tokens)
         else:
-            fmt = _AnthropicMessages(record.id, self.model, self.input_tokens)
+            self.fmt = _AnthropicMessages(record.id, model, input_tokens)
+
+    async def run(self, keep_alive: bool) -> bool:
+        """Produce the response while watching for the client hanging up; return whether
+        the connection stays open for another request."""
+        connection, record = self.connection, self.record
         produce = self._stream if record.stream else self._respond_once
-        producer = asyncio.create_task(produce(connection, record, fmt, plan, keep_alive))
+        producer = asyncio.create_task(produce(keep_alive))
         hang_up = asyncio.create_task(connection.gone.wait())
         try:
             await asyncio.wait((producer, hang_up), return_when=asyncio.FIRST_COMPLETED)
@@ -1032,17 +1053,11 @@ class FakeProvider:
             raise error
         return False
 
-    async def _stream(
-        self,
-        connection: _Connection,
-        record: ProviderRequest,
-        fmt: _Format,
-        plan: _Plan,
-        keep_alive: bool,
-    ) -> bool:
+    async def _stream(self, keep_alive: bool) -> bool:
+        connection, record, fmt, plan = self.connection, self.record, self.fmt, self.plan
         fault = plan.fault
         if fault is not None and fault.kind == "status":
-            return await self._refuse(connection, record, fault.status, keep_alive)
+            return await self._refuse(fault.status, keep_alive)
         breaks = plan.error_after is not None or (
             fault is not None and fault.kind in ("reset", "garbage")
         )
@@ -1097,17 +1112,11 @@ class FakeProvider:
         await connection.send(b"0\r\n\r\n")
         return keep_alive
 
-    async def _respond_once(
-        self,
-        connection: _Connection,
-        record: ProviderRequest,
-        fmt: _Format,
-        plan: _Plan,
-        keep_alive: bool,
-    ) -> bool:
+    async def _respond_once(self, keep_alive: bool) -> bool:
+        connection, record, fmt, plan = self.connection, self.record, self.fmt, self.plan
         fault = plan.fault
         if fault is not None and fault.kind == "status":
-            return await self._refuse(connection, record, fault.status, keep_alive)
+            return await self._refuse(fault.status, keep_alive)
         error = await _generate_whole(connection, record, plan)
         if error is None:  # the connection was reset
             return False
@@ -1132,10 +1141,9 @@ class FakeProvider:
         await connection.send(response[-1:])
         return keep_alive
 
-    async def _refuse(
-        self, connection: _Connection, record: ProviderRequest, status: int, keep_alive: bool
-    ) -> bool:
+    async def _refuse(self, status: int, keep_alive: bool) -> bool:
         """The ``status`` fault: an HTTP error with the provider's error body, no generation."""
+        connection, record = self.connection, self.record
         payload = _error_json(record.api, status, _fault_message(record.api, status, self.model))
         extra = [("x-request-id", f"req_fake_{record.id}")]
         if status in (429, 503, 529):
