@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 
     from ._contract import Backend
     from ._lifecycle import Lifecycle
-    from ._transport import ConnectionWatch
 
 __all__ = ["Counters", "DisconnectMiddleware"]
 
@@ -590,15 +589,10 @@ class _Exchange:
         stage = self.stage
         if stage is _SETTLING or stage is _ENDED:
             return
-        watch = self.out.watch
-        if watch is not None:
-            transport = self.mw.transport
-            assert transport is not None
-            watch.on_dead = None  # over: nothing is left to cancel or detach
-            if transport.settle(watch, lambda: self._settled(watch, ending)):
-                self.move(_SETTLING)
-                return
-            self._settled(watch, None)
+        watched = self.out.watched
+        if watched is not None and watched.settle(lambda: self._ended(ending)):
+            self.move(_SETTLING)
+            return
         self._ended(ending)
 
     def _ended(self, ending: Ending) -> None:
@@ -607,26 +601,6 @@ class _Exchange:
         self.reader.unlink()
         self.out.unlink()
         self.state.finish(ending)
-
-    def _settled(self, watch: ConnectionWatch, ending: Ending | None) -> None:
-        """What the client's TCP acknowledged is known: that is what it was delivered."""
-        self.out.watch = None
-        state = self.state
-        if watch.delivery == "acked":
-            state.delivered_bytes = min(state.delivered_bytes, watch.acked_body)
-            state.delivery = "acked"
-        if ending is not None:
-            self._ended(ending)
-
-    def transport_lost(self) -> None:
-        """The client's TCP acknowledged nothing for ``client_timeout``: it is gone."""
-        if self.out.client_gone or self.stage is _ENDED:
-            return
-        writer = self.out.writer
-        if writer is not None:
-            writer.lost("silent")
-        else:
-            self.out.client_went_away("silent")
 
     # -- inline: a route that can only cancel runs in the request's own task -----------
 
@@ -750,10 +724,7 @@ class _Exchange:
     async def _request_cancelled(self) -> None:
         app_task = self.app_task
         assert app_task is not None
-        self.out.client_gone = True
-        writer = self.out.writer
-        if writer is not None:
-            writer.lost("client")
+        self.out.client_left("client")
         if app_task.done():
             return
         stage = self.stage
@@ -800,35 +771,20 @@ class _Exchange:
     async def _join_writer(self) -> None:
         """Wait for the writer to hand over the rest, within the lag deadline."""
         writer = self.out.writer
-        if writer is None or writer.task.done():
-            return
-        if not await wait_bounded(writer.task, self.mw.max_lag_seconds):
+        if writer is not None and not await writer.join(self.mw.max_lag_seconds):
             logger.warning(
                 "the server's send for generation %s did not return after cancellation",
                 self.state.generation_id,
             )
-        if writer.delivery is not _DONE and writer.delivery is not _GONE:
-            writer.delivery = _GONE
 
     async def client_lost(self, reason: str) -> None:
         """The client left (``client``, ``silent``), lags, or the server refused a send
         (``error``): the route's policy applies, once."""
         mw = self.mw
         state = self.state
-        self.out.client_gone = True
-        writer = self.out.writer
-        if writer is not None:
-            writer.lost(reason)
-        elif self.out.delivery is not _DONE:
-            self.out.delivery = _GONE
+        self.out.client_left(reason)
         runner = self.app_task or self.request_task
         assert runner is not None
-        watch = self.out.watch
-        if watch is not None and reason == "client":
-            # The server says the client left: it acknowledges nothing more.
-            transport = mw.transport
-            assert transport is not None
-            transport.closed(watch)
         if reason != "error":
             state.disconnect_reason = reason
             state.disconnected.set()

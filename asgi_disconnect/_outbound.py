@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ._contract import RequestState
     from ._disconnect import DisconnectMiddleware
     from ._reader import RequestReader
-    from ._transport import ConnectionWatch
+    from ._transport import ConnectionWatch, TransportMonitor
 
 __all__ = ["Outbound"]
 
@@ -64,8 +64,6 @@ class Owner(Protocol):
     def running_as(self, generation_id: str) -> None:
         """A Stop or a drain reaches it under that id from now on."""
         ...
-
-    def transport_lost(self) -> None: ...
 
 
 def response_kind(scope: Scope, state: RequestState, policy: Any, message: Message) -> str:
@@ -158,6 +156,60 @@ class KeepAlive:
         self.handle = asyncio.get_running_loop().call_later(self.interval, self._tick)
 
 
+class DeliveryWatch:
+    """A streamed response's connection, watched by the transport monitor from its first
+    body message (its head is with the server already; a response sent whole costs
+    nothing): a client whose TCP acknowledges nothing for ``client_timeout`` is gone, and at
+    the end what it acknowledged is what it was delivered."""
+
+    __slots__ = ("out", "transport", "watch", "writer")
+
+    def __init__(
+        self,
+        out: Outbound,
+        transport: TransportMonitor,
+        watch: ConnectionWatch,
+        writer: ClientWriter,
+    ) -> None:
+        self.out = out
+        self.transport = transport
+        self.watch = watch
+        self.writer = writer
+        writer.watch = watch
+        writer.note = watch.sizes.append
+
+    def closed(self) -> None:
+        """The server says the client left: it acknowledges nothing more."""
+        self.transport.closed(self.watch)
+
+    def forget(self) -> None:
+        writer = self.writer
+        writer.watch = writer.note = None
+        self.transport.forget(self.watch)
+
+    def settle(self, then: Callable[[], None]) -> bool:
+        """The exchange is over: True if the client's TCP has yet to acknowledge the rest
+        (``then`` is called once it did, died or closed); False if that is known now."""
+        watch = self.watch
+        watch.on_dead = None  # over: nothing is left to cancel or detach
+        if self.transport.settle(watch, lambda: self._settled(then)):
+            return True
+        self._settled(None)
+        return False
+
+    def _settled(self, then: Callable[[], None] | None) -> None:
+        """What the client's TCP acknowledged is known: that is what it was delivered."""
+        out = self.out
+        out.watched = None
+        watch = self.watch
+        if watch.delivery == "acked":
+            state = out.state
+            state.delivered_bytes = min(state.delivered_bytes, watch.acked_body)
+            state.delivery = "acked"
+        if then is not None:
+            then()
+
+
 class _Over:
     """The owner of a response whose exchange ended."""
 
@@ -165,9 +217,6 @@ class _Over:
         pass
 
     def running_as(self, generation_id: str) -> None:
-        pass
-
-    def transport_lost(self) -> None:
         pass
 
 
@@ -196,7 +245,7 @@ class Outbound:
         "send",
         "state",
         "trailers_ended",
-        "watch",
+        "watched",
         "writer",
     )
 
@@ -234,7 +283,7 @@ class Outbound:
         self.observe: Callable[[Message], bool | None] | None = None
         self.keep_alive: KeepAlive | None = None  # an event stream's, while it runs
         # The connection's transport, watched from the first body message (see _transport).
-        self.watch: ConnectionWatch | None = None
+        self.watched: DeliveryWatch | None = None
 
     def handed(self) -> bool:
         """The whole response went to the server."""
@@ -248,19 +297,6 @@ class Outbound:
     def stop_keep_alive(self) -> None:
         if self.keep_alive is not None:
             self.keep_alive.stop()
-
-    def _open_watch(self) -> ConnectionWatch | None:
-        """Watch the connection from the response's first body message (its head is with
-        the server already), a streamed one only: a response sent whole costs nothing."""
-        transport = self.mw.transport
-        generation = self.generation
-        if transport is None or generation is None:
-            return None
-        chunked = not any(name == b"content-length" for name, _ in self.head)
-        watch = self.watch = transport.watch(
-            self.scope, asyncio.get_running_loop(), self.owner.transport_lost, chunked=chunked
-        )
-        return watch
 
     async def app_send(self, message: Message) -> None:
         kind = message["type"]
@@ -474,7 +510,11 @@ class Outbound:
         writer = self.writer or self.open_writer()
         if kind == "http.response.pathsend":
             writer.end_response = False
-            self._forget_watch()  # the server sends the file: its bytes are not counted here
+            watched = self.watched
+            if watched is not None:
+                # The server sends the file: its bytes are not counted here.
+                self.watched = None
+                watched.forget()
         writer.queue(message, after_end=self.body_ended and kind != "http.response.pathsend")
         writer.pump()
 
@@ -490,20 +530,19 @@ class Outbound:
             on_lost=self._writer_lost,
             on_done=self.owner.part_done,
         )
-        watch = writer.watch = self._open_watch()
-        if watch is not None:
-            writer.note = watch.sizes.append
+        transport = self.mw.transport
+        if transport is not None:
+            chunked = not any(name == b"content-length" for name, _ in self.head)
+            loop = asyncio.get_running_loop()
+            watch = transport.watch(self.scope, loop, self._silent, chunked=chunked)
+            if watch is not None:
+                self.watched = DeliveryWatch(self, transport, watch, writer)
         return writer
 
-    def _forget_watch(self) -> None:
-        watch = self.watch
-        if watch is not None:
-            self.watch = None
-            if self.writer is not None:
-                self.writer.watch = self.writer.note = None
-            transport = self.mw.transport
-            assert transport is not None
-            transport.forget(watch)
+    def _silent(self) -> None:
+        """The client's TCP acknowledged nothing for ``client_timeout``: it is gone."""
+        if not self.client_gone and not self.state.finished and self.writer is not None:
+            self.writer.lost("silent")
 
     def _writer_lost(self, reason: str) -> None:
         self.client_gone = True
@@ -533,6 +572,19 @@ class Outbound:
         if message.get("trailers"):
             self.expect_trailers = True
         return with_generation_id(message, state.generation_id)
+
+    def client_left(self, reason: str) -> None:
+        """The client is gone (``client``, ``silent``), lags (``lag``), or the server
+        refused a send (``error``): nothing more is sent to it."""
+        self.client_gone = True
+        writer = self.writer
+        if writer is not None:
+            writer.lost(reason)
+        elif self.delivery is not _DONE:
+            self.delivery = _GONE
+        watched = self.watched
+        if watched is not None and reason == "client":
+            watched.closed()  # the server says the client left: it acknowledges nothing more
 
     def client_went_away(self, reason: str = "client") -> None:
         # Servers at ASGI spec 2.4+ raise OSError on send when the client is gone.

@@ -25,7 +25,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from ._aio import Resume, as_coroutine
+from ._aio import Resume, as_coroutine, wait_bounded
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -92,6 +92,7 @@ class ClientWriter:
         "_room_behind",
         "closing",
         "context",
+        "deadline",
         "delivery",
         "direct",
         "eager",
@@ -101,15 +102,12 @@ class ClientWriter:
         "expect_trailers",
         "extras",
         "generation",
-        "lag_timer",
         "latest",
         "loop",
-        "max_lag_seconds",
         "note",
         "on_done",
         "on_lost",
         "send",
-        "send_started",
         "sent_index",
         "state",
         "task",
@@ -133,7 +131,6 @@ class ClientWriter:
         self.eager = EAGER_SENDS
         self.generation = generation
         self.state = state
-        self.max_lag_seconds = max_lag_seconds
         self.expect_trailers = expect_trailers
         self.on_lost = on_lost
         self.on_done = on_done
@@ -148,8 +145,7 @@ class ClientWriter:
         # as it is if it is all that waits.
         self.latest: Message | None = None
         self.error: BaseException | None = None
-        self.send_started = 0.0
-        self.lag_timer: asyncio.TimerHandle | None = None
+        self.deadline = LagDeadline(max_lag_seconds, self._lagging)
         self._pending: _Pending | None = None
         self.waiter: asyncio.Future[None] | None = None
         self._room: asyncio.Future[None] | None = None
@@ -272,9 +268,7 @@ class ClientWriter:
             pending[0].cancel()  # a send not yet awaited by the writer task
         if not self.task.done() and self.task is not asyncio.current_task():
             self.task.cancel()
-        if self.lag_timer is not None:
-            self.lag_timer.cancel()
-            self.lag_timer = None
+        self.deadline.cancel()
 
     # -- what goes next -----------------------------------------------------------------
 
@@ -392,12 +386,12 @@ class ClientWriter:
                 pending = self._pending
                 if pending is not None:
                     task, message, size, count = pending
-                    self._arm(loop)
+                    self.deadline.arm(loop)
                     try:
                         await task
                     finally:
                         self._pending = None
-                    self._disarm()
+                    self.deadline.disarm()
                     self._sent(message, size, count)
                     continue
                 latest = self.latest
@@ -421,9 +415,9 @@ class ClientWriter:
                     except StopIteration:
                         pass
                     else:
-                        self._arm(loop)
+                        self.deadline.arm(loop)
                         await Resume(sending, waiting_on)
-                        self._disarm()
+                        self.deadline.disarm()
                     self._sent(message, size, count)
                     continue
                 if self.delivery is not _OPEN or self.closing:
@@ -445,35 +439,62 @@ class ClientWriter:
         finally:
             self.direct = False
             self._free_room()
-            self._disarm()
-            timer = self.lag_timer
-            if timer is not None:
-                # It holds the writer, and through it the log, until it fires.
-                self.lag_timer = None
-                timer.cancel()
+            # Its timer holds the writer, and through it the log, until it fires.
+            self.deadline.cancel()
 
-    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.send_started = loop.time()
-        if self.lag_timer is None:
-            self.lag_timer = loop.call_later(self.max_lag_seconds, self._check_lag)
+    def _lagging(self) -> None:
+        if not self.task.done() and self.delivery is not _GONE:
+            self.lost("lag")
 
-    def _disarm(self) -> None:
-        self.send_started = 0.0
+    async def join(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the writer to hand over the rest (then stop it); True
+        if it ended. What it did not hand over is not delivered."""
+        if self.task.done():
+            return True
+        ended = await wait_bounded(self.task, seconds)
+        if self.delivery is not _DONE and self.delivery is not _GONE:
+            self.delivery = _GONE
+        return ended
 
-    def _check_lag(self) -> None:
-        self.lag_timer = None
-        if self.task.done() or self.delivery is _GONE:
-            return
-        loop = asyncio.get_running_loop()
-        started = self.send_started
+
+class LagDeadline:
+    """The deadline of the send that waits: ``seconds`` after it began. One timer, moved on
+    to the send that waits when it fires for one that finished; a send still waiting then
+    calls ``on_lag``."""
+
+    __slots__ = ("on_lag", "seconds", "started", "timer")
+
+    def __init__(self, seconds: float, on_lag: Callable[[], None]) -> None:
+        self.seconds = seconds
+        self.on_lag = on_lag
+        self.started = 0.0  # when the send that waits began; 0: none waits
+        self.timer: asyncio.TimerHandle | None = None
+
+    def arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.started = loop.time()
+        if self.timer is None:
+            self.timer = loop.call_later(self.seconds, self._check)
+
+    def disarm(self) -> None:
+        self.started = 0.0
+
+    def cancel(self) -> None:
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _check(self) -> None:
+        self.timer = None
+        started = self.started
         if not started:
             return  # no send waits: the next one that does arms the timer again
+        loop = asyncio.get_running_loop()
         # The send that waits now may have begun after the timer was set: its own deadline.
-        remaining = started + self.max_lag_seconds - loop.time()
+        remaining = started + self.seconds - loop.time()
         if remaining <= 0:
-            self.lost("lag")
-            return
-        self.lag_timer = loop.call_later(remaining, self._check_lag)
+            self.on_lag()
+        else:
+            self.timer = loop.call_later(remaining, self._check)
 
 
 def _coalesced(chunks: list[bytes], index: int, limit: int) -> tuple[bytes, int]:

@@ -523,9 +523,6 @@ def test_a_move_the_table_does_not_allow_raises_naming_both_stages() -> None:
 # -- class size (issue 24): no class over 400 lines ------------------------------------------
 
 MAX_CLASS_LINES = 400
-# Being split now (the exchange, _disconnect.py); a name leaves this set once its class is
-# at most MAX_CLASS_LINES, and the test below says so. Outbound (_outbound.py) already left it.
-STILL_OVER_400 = {"_Exchange"}
 
 
 def class_lengths(source: str) -> dict[str, int]:
@@ -547,15 +544,8 @@ def test_no_class_is_over_400_lines() -> None:
         for cls, length in class_lengths(path.read_text("utf-8")).items()
         if length > MAX_CLASS_LINES
     }
-    too_long = sorted(where for where in over if where.rpartition(".")[2] not in STILL_OVER_400)
-    assert not too_long, (
-        f"classes over {MAX_CLASS_LINES} lines; split them by responsibility:\n"
-        + ("\n".join(f"{where}: {over[where]} lines" for where in too_long))
-    )
-    now_short = sorted(STILL_OVER_400 - {where.rpartition(".")[2] for where in over})
-    assert not now_short, (
-        f"STILL_OVER_400 names classes that are not over {MAX_CLASS_LINES} lines (or are gone); "
-        f"take them out: {now_short}"
+    assert not over, f"classes over {MAX_CLASS_LINES} lines; split them by responsibility:\n" + (
+        "\n".join(f"{where}: {over[where]} lines" for where in sorted(over))
     )
 
 
