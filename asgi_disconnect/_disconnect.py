@@ -312,18 +312,33 @@ class DisconnectMiddleware:
                 sys.platform,
             )
         if self.transport is not None:
-            self._tune_listeners()
+            await self._tune_listeners()
             loop = asyncio.get_running_loop()
             for delay in _LISTENER_SCANS:
-                loop.call_later(delay, self._tune_listeners)
+                loop.call_later(delay, self._tune_soon)
 
-    def _tune_listeners(self) -> None:
-        """Give the process's listening sockets the client timeout (see _transport)."""
+    def _tune_listeners(self) -> asyncio.Future[set[int]]:
+        """Give the process's listening sockets the client timeout (see _transport), in a
+        worker thread: the scan reads /proc and a socket option per descriptor, which is
+        no work for the event loop (and a blocking-call detector says so)."""
         assert self.client_timeout is not None
-        ports = tune_listeners(self.client_timeout)
+        loop = asyncio.get_running_loop()
+        scan = loop.run_in_executor(None, tune_listeners, self.client_timeout)
+        scan.add_done_callback(self._tuned)
+        return scan
+
+    def _tuned(self, scan: asyncio.Future[set[int]]) -> None:
+        if scan.cancelled():
+            return
+        if scan.exception() is not None:
+            logger.debug("the listening sockets could not be scanned", exc_info=scan.exception())
+            return
         if self._tuned_ports is None:
             self._tuned_ports = set()
-        self._tuned_ports |= ports
+        self._tuned_ports |= scan.result()
+
+    def _tune_soon(self) -> None:
+        self._tune_listeners()
 
     def _find_listener(self, scope: Scope) -> None:
         """At a request: once its listener carries the client timeout, stop looking. A
@@ -338,17 +353,20 @@ class DisconnectMiddleware:
         except (TypeError, ValueError):
             self._listeners_found = True
             return
+        self._listeners_found = True
         ports = self._tuned_ports
         if ports is None or port not in ports:
-            self._tune_listeners()
-            ports = self._tuned_ports
-        # A port that is still unknown is a proxy's, or a listener of another process.
-        self._listeners_found = True
+            # Scanned again, off the loop; a port still unknown then is a proxy's, or a
+            # listener of another process.
+            self._tune_listeners().add_done_callback(lambda _: self._unserved(port))
+
+    def _unserved(self, port: int) -> None:
+        ports = self._tuned_ports
         if ports is not None and port not in ports:
             logger.info(
                 "no listening socket of this process serves port %s: connections are "
                 "judged by the transport monitor only",
-                server[1],
+                port,
             )
 
     async def _close(self) -> None:

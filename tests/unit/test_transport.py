@@ -282,3 +282,43 @@ async def test_a_client_gone_mid_stream_is_settled_at_once_by_what_it_acknowledg
     assert record.outcome == "cancelled"
     assert record.delivery == "acked"
     assert got <= record.delivered_bytes <= record.produced_bytes
+
+
+@linux
+async def test_the_listener_scan_never_runs_on_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scan of the process's descriptors (``/proc/self/fd``, a socket option each) runs
+    in a worker thread, at startup, later rescans and a request on an unknown port: a
+    blocking-call detector (Starlette's test suite runs one) finds nothing on the loop."""
+    import os
+    import threading
+
+    from asgi_disconnect import _transport
+    from asgi_disconnect.testing import drive, lifespan
+
+    scans: list[bool] = []  # for each scan: did it run on the loop's thread?
+    listdir = os.listdir
+    loop_thread = threading.get_ident()
+
+    def recording_listdir(path: str) -> list[str]:
+        if path == "/proc/self/fd":
+            scans.append(threading.get_ident() == loop_thread)
+        return listdir(path)
+
+    monkeypatch.setattr(_transport.os, "listdir", recording_listdir)
+
+    async def hello(request: Request) -> JSONResponse:
+        return JSONResponse({"hello": "world"})
+
+    app = Starlette(routes=[Route("/", hello)])
+    install(app, backend=MemoryBackend())
+    async with lifespan(app):
+        scanned = len(scans)
+        assert scanned >= 1, "the startup scan ran"
+        result = await drive(app, path="/")  # port 80 of the driver's scope: unknown here
+        assert result.status == 200
+        async with asyncio.timeout(5):
+            while len(scans) == scanned:
+                await asyncio.sleep(0.01)
+    assert not any(scans), scans
