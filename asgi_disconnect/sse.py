@@ -76,6 +76,26 @@ def _last_retry(lines: bytes) -> int | None:
     return retry
 
 
+def _one_event(chunk: bytes, last_event_id: str) -> list[ServerSentEvent] | None:
+    """``chunk`` as its one event (a ``data:`` line, or an ``event:`` and a ``data:`` line,
+    then a blank line), or None if it is not that simple."""
+    head, _, rest = chunk.partition(b"\n")
+    if rest == b"\n":
+        if head[:6] == b"data: ":
+            return [ServerSentEvent("message", head[6:].decode("utf-8", "replace"), last_event_id)]
+    elif head[:7] == b"event: ":
+        line, _, rest = rest.partition(b"\n")
+        if rest == b"\n" and line[:6] == b"data: ":
+            return [
+                ServerSentEvent(
+                    event=head[7:].decode("utf-8", "replace") or "message",
+                    data=line[6:].decode("utf-8", "replace"),
+                    id=last_event_id,
+                )
+            ]
+    return None
+
+
 def _has_long_line(partial: int, chunk: bytes, limit: int) -> bool:
     """Whether a line of ``chunk``, which holds an LF, is longer than ``limit`` bytes; its
     first line continues an unterminated line of ``partial`` bytes, its last may go on."""
@@ -183,21 +203,9 @@ class SSEDecoder:
             return self._feed_special(chunk)
         if chunk[-1] == 10 and not (self._tail or self._dirty) and size <= self._fast_limit:
             # A chunk that is exactly one event, as an app or a network read delivers it.
-            head, _, rest = chunk.partition(b"\n")
-            if rest == b"\n":
-                if head[:6] == b"data: ":
-                    data = head[6:].decode("utf-8", "replace")
-                    return [ServerSentEvent("message", data, self.last_event_id)]
-            elif head[:7] == b"event: ":
-                line, _, rest = rest.partition(b"\n")
-                if rest == b"\n" and line[:6] == b"data: ":
-                    return [
-                        ServerSentEvent(
-                            event=head[7:].decode("utf-8", "replace") or "message",
-                            data=line[6:].decode("utf-8", "replace"),
-                            id=self.last_event_id,
-                        )
-                    ]
+            one = _one_event(chunk, self.last_event_id)
+            if one is not None:
+                return one
         partial = self._partial
         if partial + size > self._max_line and _has_long_line(partial, chunk, self._max_line):
             self._fail(f"an SSE line is longer than {self._max_line} bytes")
@@ -206,6 +214,23 @@ class SSEDecoder:
         if not newline or chunk[newline - 1] != 10:
             return self._feed_lines(chunk, newline, partial)
         # The chunk's last LF ends a blank line: parse up to it, keep the rest.
+        chunk = self._through(chunk, newline, size)
+        text = chunk.decode("utf-8", "replace")
+        if self._dirty or len(chunk) > self._fast_limit:
+            out: list[ServerSentEvent] = []
+            self._parse(text, len(chunk) > self._fast_limit, out)
+            return out
+        if text[:6] == "data: ":
+            newline = text.find("\n")
+            if newline == len(text) - 2:
+                return [ServerSentEvent("message", text[6:newline], self.last_event_id)]
+        out = []
+        self._run(text, out)
+        return out
+
+    def _through(self, chunk: bytes, newline: int, size: int) -> bytes:
+        """The bytes through the blank line that ends at ``newline``, with what waited
+        before them; the rest of ``chunk`` waits for the next one."""
         if newline + 1 < size:
             rest = chunk[newline + 1 :]
             chunk = chunk[: newline + 1]
@@ -219,18 +244,7 @@ class SSEDecoder:
             chunk = b"".join(self._tail)
             self._tail = []
             self._tail_len = 0
-        text = chunk.decode("utf-8", "replace")
-        if self._dirty or len(chunk) > self._fast_limit:
-            out: list[ServerSentEvent] = []
-            self._parse(text, len(chunk) > self._fast_limit, out)
-            return out
-        if text[:6] == "data: ":
-            newline = text.find("\n")
-            if newline == len(text) - 2:
-                return [ServerSentEvent("message", text[6:newline], self.last_event_id)]
-        out = []
-        self._run(text, out)
-        return out
+        return chunk
 
     def _feed_lines(self, chunk: bytes, newline: int, partial: int) -> list[ServerSentEvent]:
         """Feed a chunk whose last LF does not end a blank line; ``partial`` as it was."""
