@@ -71,7 +71,6 @@ _COROUTINE = types.CoroutineType
 _ROUTE_MEMO_SIZE = 4096
 # How long a request cancelled by the server waits for its app to run its finally blocks.
 _TEARDOWN_TIMEOUT = 5.0
-_DRAIN_POLL = 0.05
 # When to look again for the server's listening sockets after startup: uvicorn binds after
 # the lifespan startup, granian replaces a placeholder, within a few milliseconds.
 _LISTENER_SCANS = (0.01, 0.05, 0.25, 1.0, 3.0)
@@ -239,6 +238,9 @@ class DisconnectMiddleware:
         # Generation id -> its exchange, while it runs here: what a Stop reaches.
         self._running: dict[str, _Exchange] = {}
         backend.on_cancel = self._stop
+        # Set while a drain waits for running work to end (see _until_quiet).
+        self._quieter: asyncio.Future[None] | None = None
+        self.supervisor.on_task_done = self._one_ended
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope_type = scope["type"]
@@ -391,8 +393,7 @@ class DisconnectMiddleware:
         what is left as interrupted, a stream its client still reads with an error frame
         that says to retry after ``retry_after`` seconds."""
         loop = asyncio.get_running_loop()
-        while (self._running or len(self.supervisor)) and loop.time() < deadline:
-            await asyncio.sleep(_DRAIN_POLL)
+        await self._until_quiet(deadline)
         tasks = self.supervisor.tasks()
         drained = [
             exchange for exchange in list(self._running.values()) if exchange.drain(retry_after)
@@ -406,9 +407,27 @@ class DisconnectMiddleware:
                 "drain deadline reached: %d running generation(s) interrupted",
                 len(drained) + len(tasks),
             )
-        end = loop.time() + _TEARDOWN_TIMEOUT
-        while (self._running or len(self.supervisor)) and loop.time() < end:
-            await asyncio.sleep(_DRAIN_POLL)
+        await self._until_quiet(loop.time() + _TEARDOWN_TIMEOUT)
+
+    async def _until_quiet(self, until: float) -> None:
+        """Until no exchange runs here and the supervisor holds no work, or the loop's clock
+        reaches ``until``; woken by each one that ends, not by polling."""
+        loop = asyncio.get_running_loop()
+        while self._running or len(self.supervisor):
+            remaining = until - loop.time()
+            if remaining <= 0:
+                return
+            waiter = self._quieter = loop.create_future()
+            try:
+                await asyncio.wait((waiter,), timeout=remaining)
+            finally:
+                self._quieter = None
+
+    def _one_ended(self) -> None:
+        """An exchange or a supervised task ended: a drain waiting for quiet looks again."""
+        waiter = self._quieter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def resume_token(self, generation_id: str, principal: str = "") -> str:
         """A signed token that reads ``generation_id`` of ``principal`` (``""``: an
@@ -615,7 +634,9 @@ class _Exchange:
 
     def _ended(self, ending: Ending) -> None:
         self.move(_ENDED)
-        self.mw._running.pop(self.state.generation_id, None)
+        mw = self.mw
+        if mw._running.pop(self.state.generation_id, None) is not None:
+            mw._one_ended()
         self.reader.unlink()
         self.out.unlink()
         self.state.finish(ending)

@@ -7,7 +7,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine
+    from collections.abc import Callable, Coroutine
 
 __all__ = ["Supervisor"]
 
@@ -25,6 +25,8 @@ class Supervisor:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.started = False
         self.stopping = False
+        # Told each time a task ends (a drain waits for the last one).
+        self.on_task_done: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -40,8 +42,13 @@ class Supervisor:
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
         return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if self.on_task_done is not None:
+            self.on_task_done()
 
     async def drain(self, timeout: float) -> int:
         """Wait up to ``timeout`` seconds for running tasks; cancel the rest; how many."""
