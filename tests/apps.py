@@ -140,3 +140,11 @@ def sse_app(probe: Probe, *, chunks: int = 50, delay: float = 0.01, size: int = 
             Route("/echo", echo, methods=["POST"]),
         ]
     )
+
+
+async def the_generation(backend: Any) -> tuple[Any, bytes]:
+    """The one generation a test's backend holds, through the store's public reads: its
+    info (``GenerationInfo``) and its whole log."""
+    (info,) = await backend.recent()
+    body = b"".join([chunk async for chunk in backend.follow(info.id, 0)])
+    return info, body

@@ -22,7 +22,14 @@ from starlette.routing import Route, Router
 from asgi_disconnect import DisconnectMiddleware, MemoryBackend, Status, disconnect_policy
 from asgi_disconnect.testing import drive, lifespan
 from asgi_disconnect.upstream import track
-from tests.apps import Probe, as_tester, http_scope, request_then_disconnect, sse_app
+from tests.apps import (
+    Probe,
+    as_tester,
+    http_scope,
+    request_then_disconnect,
+    sse_app,
+    the_generation,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -285,16 +292,15 @@ async def test_error_after_headers_on_sse_is_an_error_frame() -> None:
     with pytest.raises(RuntimeError, match="upstream broke"):
         await drive(mw)
     # drive raised, so look at the log instead of the client's copy.
-    (generation,) = mw.backend._generations.values()  # type: ignore[attr-defined]
-    assert generation.status is Status.FAILED
-    body = generation.read(0)
+    info, body = await the_generation(mw.backend)
+    assert info.status is Status.FAILED
     assert body.startswith(b"data: one\n\n")
     assert body.endswith(b"\n\n")
     frame = body[len(b"data: one\n\n") :]
     assert frame.startswith(b"event: error\ndata: ")
     payload = msgspec.json.decode(frame.split(b"data: ", 1)[1])
     assert payload["error"]["type"] == "stream_error"
-    assert payload["error"]["generation_id"] == generation.id
+    assert payload["error"]["generation_id"] == info.id
     assert "upstream broke" not in frame.decode()
 
 
@@ -348,9 +354,9 @@ async def test_error_after_headers_on_other_streams_is_not_completed() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         await drive(app)
     assert complete == []
-    (generation,) = mw.backend._generations.values()  # type: ignore[attr-defined]
-    assert generation.status is Status.FAILED
-    assert generation.read(0) == b"partial"
+    info, body = await the_generation(mw.backend)
+    assert info.status is Status.FAILED
+    assert body == b"partial"
 
 
 async def test_error_before_headers_propagates() -> None:

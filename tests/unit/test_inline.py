@@ -21,7 +21,7 @@ from asgi_disconnect import (
 )
 from asgi_disconnect.testing import drive, lifespan
 from asgi_disconnect.upstream import track
-from tests.apps import Probe, as_tester, sse_app
+from tests.apps import Probe, as_tester, sse_app, the_generation
 
 pytestmark = pytest.mark.anyio
 
@@ -81,8 +81,8 @@ async def test_inline_cancel_on_disconnect() -> None:
     assert probe.cancelled.is_set()
     assert not probe.finished.is_set()
     assert mw.counters.cancelled == 1
-    (generation,) = mw.backend._generations.values()  # type: ignore[attr-defined]
-    assert generation.status is Status.CANCELLED
+    info, _ = await the_generation(mw.backend)
+    assert info.status is Status.CANCELLED
     assert result.complete is False
 
 
@@ -166,7 +166,8 @@ async def test_a_mispredicted_detach_still_finishes_and_is_relearned() -> None:
         assert mw.counters.detached == 1
         assert mw.counters.detach_completed == 1
         assert mw._cancel_only[("GET", "/detach")] is False
-        info = mw.backend._generations[result.header("x-generation-id")]  # type: ignore[attr-defined]
+        info = await mw.backend.get(result.header("x-generation-id"))
+        assert info is not None
         assert info.status is Status.COMPLETE
 
 

@@ -131,7 +131,8 @@ async def test_a_client_still_reading_gets_an_error_frame_when_the_owner_stops_i
         reading = asyncio.ensure_future(drive(app, path="/chat", headers=ALICE, timeout=10))
         await eventually(lambda: upstream.sent > 5)
         mw = next(m for m in _middlewares(app) if isinstance(m, DisconnectMiddleware))
-        (generation_id,) = list(mw._running)
+        (running,) = await mw.backend.recent(status="running")
+        generation_id = running.id
         stop = await drive(
             app, method="POST", path=f"/generations/{generation_id}/cancel", headers=ALICE
         )
