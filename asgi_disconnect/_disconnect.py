@@ -61,10 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["Counters", "DisconnectMiddleware"]
 
 
-def _ignore_loss(reason: str) -> None:
-    """A writer's ``on_lost`` once its exchange is over."""
-
-
 logger = logging.getLogger("asgi_disconnect")
 
 _COROUTINE = types.CoroutineType
@@ -618,7 +614,7 @@ class _Exchange:
         writer = self.out.writer
         if writer is not None and writer.task.done():
             # The writer refers back to the exchange: unlink them, for reference counting.
-            writer.on_lost = _ignore_loss
+            writer.unlink()
 
     def _end(self, ending: Ending) -> None:
         """Record how the exchange ended; a Stop no longer reaches it. A watched response

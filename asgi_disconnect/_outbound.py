@@ -143,15 +143,7 @@ class KeepAlive:
             return
         size = generation.size
         if size == self.seen and not out.state.detached:
-            writer = out.writer or out.open_writer()
-            if not writer.extras and writer.delivery is _OPEN:
-                writer.queue(
-                    {"type": "http.response.body", "body": _KEEP_ALIVE, "more_body": True},
-                    after_end=False,
-                )
-                # The writer task sends it, in order: the app's next chunk goes behind it.
-                writer.direct = False
-                writer.wake()
+            (out.writer or out.open_writer()).keep_alive(_KEEP_ALIVE)
         self.seen = size
         self.handle = asyncio.get_running_loop().call_later(self.interval, self._tick)
 
@@ -175,8 +167,7 @@ class DeliveryWatch:
         self.transport = transport
         self.watch = watch
         self.writer = writer
-        writer.watch = watch
-        writer.note = watch.sizes.append
+        writer.watch_with(watch)
 
     def closed(self) -> None:
         """The server says the client left: it acknowledges nothing more."""
@@ -184,7 +175,7 @@ class DeliveryWatch:
 
     def forget(self) -> None:
         writer = self.writer
-        writer.watch = writer.note = None
+        writer.watch_with(None)
         self.transport.forget(self.watch)
 
     def settle(self, then: Callable[[], None]) -> bool:
@@ -509,7 +500,7 @@ class Outbound:
             return
         writer = self.writer or self.open_writer()
         if kind == "http.response.pathsend":
-            writer.end_response = False
+            writer.ends_elsewhere()
             watched = self.watched
             if watched is not None:
                 # The server sends the file: its bytes are not counted here.

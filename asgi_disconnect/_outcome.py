@@ -91,9 +91,7 @@ class Outcome:
             self.failed(failure)
         writer = self.out.writer
         if writer is not None:
-            writer.direct = False
-            writer.closing = True
-            writer.wake()
+            writer.close()
 
     def ending(self) -> Ending:
         """How the exchange ended, once the app did and nothing more is delivered."""
@@ -144,7 +142,7 @@ class Outcome:
             return
         generation.finish(status, error)
         if self.out.writer is not None:
-            self.out.writer.end_response = False
+            self.out.writer.ends_elsewhere()
 
     def failed(self, exc: BaseException) -> None:
         # A stream that carries its provider's error event has its error frame already.

@@ -173,7 +173,7 @@ class ClientWriter:
     def hand(self, message: Message, size: int, count: int) -> None:
         """Start sending ``message`` (in the log up to chunk ``count``) in a task of its own,
         eagerly; the exchange inlines this for a body chunk that is not the last."""
-        if self._ends(message):
+        if _last(message, self.expect_trailers):
             self.move(_FINAL)
         sending: Any = self.send(message)
         if type(sending) is not _COROUTINE:
@@ -231,6 +231,36 @@ class ClientWriter:
         """Queue a message that is not start or body behind what was produced before it;
         ``after_end``: the app sent it after its final body (trailers)."""
         self.extras.append((len(self.generation.chunks), after_end, message))
+
+    def keep_alive(self, body: bytes) -> None:
+        """Send ``body`` (a comment) now if nothing else waits: the writer task sends it, in
+        order, and the app's next chunk goes behind it."""
+        if not self.extras and self.delivery is _OPEN:
+            self.queue(
+                {"type": "http.response.body", "body": body, "more_body": True}, after_end=False
+            )
+            self.direct = False
+            self.wake()
+
+    def close(self) -> None:
+        """The app ended: nothing more will be produced; hand over the rest."""
+        self.direct = False
+        self.closing = True
+        self.wake()
+
+    def ends_elsewhere(self) -> None:
+        """Send no final body of its own: the response ends with the file the server sends
+        (``pathsend``), or is left open so that the server aborts it."""
+        self.end_response = False
+
+    def watch_with(self, watch: ConnectionWatch | None) -> None:
+        """Note each body message handed over to ``watch`` (None: no more)."""
+        self.watch = watch
+        self.note = watch.sizes.append if watch is not None else None
+
+    def unlink(self) -> None:
+        """The exchange is over: the writer no longer tells it of a loss."""
+        self.on_lost = _ignore_loss
 
     def pump(self) -> None:
         """Hand over what waits, eagerly while the client takes it at once; else the writer
@@ -316,16 +346,6 @@ class ClientWriter:
             return latest, len(latest["body"]), index + 1
         return self._next()
 
-    def _ends(self, message: Message) -> bool:
-        """Whether ``message`` is the last of the response."""
-        kind = message["type"]
-        if kind == "http.response.body":
-            return not bool(message.get("more_body", False)) and not self.expect_trailers
-        if kind == "http.response.trailers":
-            more: bool = message.get("more_trailers", False)
-            return not more
-        return bool(kind == "http.response.pathsend")
-
     def room(self, behind: int) -> asyncio.Future[None]:
         """A future resolved once the client is at most ``behind`` bytes behind the log, or
         gone: a producer far ahead of a client that still reads waits on it."""
@@ -403,7 +423,7 @@ class ClientWriter:
                     following = self._next()
                 if following is not None:
                     message, size, count = following
-                    if message is not latest and self._ends(message):
+                    if message is not latest and _last(message, self.expect_trailers):
                         self.move(_FINAL)
                     # Stepped by hand, in this task: the lag deadline is armed only for a
                     # send that waits.
@@ -495,6 +515,22 @@ class LagDeadline:
             self.on_lag()
         else:
             self.timer = loop.call_later(remaining, self._check)
+
+
+def _last(message: Message, expect_trailers: bool) -> bool:
+    """Whether ``message`` is the last of a response (``expect_trailers``: trailers follow
+    its body)."""
+    kind = message["type"]
+    if kind == "http.response.body":
+        return not bool(message.get("more_body", False)) and not expect_trailers
+    if kind == "http.response.trailers":
+        more: bool = message.get("more_trailers", False)
+        return not more
+    return bool(kind == "http.response.pathsend")
+
+
+def _ignore_loss(reason: str) -> None:
+    """A writer's ``on_lost`` once its exchange is over."""
 
 
 def _coalesced(chunks: list[bytes], index: int, limit: int) -> tuple[bytes, int]:

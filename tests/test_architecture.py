@@ -552,3 +552,45 @@ def test_no_class_is_over_400_lines() -> None:
 def test_a_class_is_counted_from_its_class_statement_to_its_last_line() -> None:
     source = "@decorated\nclass A:\n    x = 1\n\n    class B:\n        y = 2\n\n    z = 3\n"
     assert class_lengths(source) == {"A": 7, "B": 2}
+
+
+# -- the client writer owns delivery ---------------------------------------------------------
+
+
+def writer_fields_assigned(source: str) -> list[str]:
+    """Assignments to a client writer's fields (``writer.x = ...``, ``self.out.writer.x += ...``)
+    in ``source``, as ``writer.x``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            for part in ast.walk(target):
+                if not isinstance(part, ast.Attribute) or not isinstance(part.ctx, ast.Store):
+                    continue
+                owner = part.value
+                if (isinstance(owner, ast.Name) and owner.id == "writer") or (
+                    isinstance(owner, ast.Attribute) and owner.attr == "writer"
+                ):
+                    found.append(f"writer.{part.attr}")
+    return found
+
+
+def test_only_the_writer_assigns_its_fields() -> None:
+    """The exchange and the response side ask the client writer (its methods); they never
+    set its state, its counters or what it handed over."""
+    found = {
+        f"{short(name)}: {assigned}"
+        for name, path in module_names(ROOT).items()
+        if short(name) != "_writer"
+        for assigned in writer_fields_assigned(path.read_text("utf-8"))
+    }
+    assert not found, sorted(found)
+
+
+def test_an_assignment_to_a_writers_field_is_found() -> None:
+    source = "writer.direct = False\nself.out.writer.delivery = 1\nx.count += 1\nself.writer = w\n"
+    assert writer_fields_assigned(source) == ["writer.direct", "writer.delivery"]
