@@ -56,6 +56,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # FastAPI's suite marks tests for pytest-xdist and runs with --strict-markers: without
+    # xdist installed, those modules would not even load, bare or with the stack.
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's grouping")
     path = config.getoption("outcomes")
     if path:
         config.pluginmanager.register(Outcomes(Path(path)), "framework-suite-outcomes")
