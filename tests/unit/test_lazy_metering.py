@@ -20,6 +20,7 @@ from asgi_disconnect import (
     DisconnectMiddleware,
     MemoryBackend,
     MeteringMiddleware,
+    RequestState,
     Status,
     UsageRecord,
     _adapters,
@@ -208,14 +209,22 @@ async def test_a_cancel_on_sqlite_reads_its_released_text_back(tmp_path: Path) -
     records: list[UsageRecord] = []
     backend = connect(f"sqlite:///{tmp_path}/g.db", flush_interval=0.005)
     app = app_of(body, 120, delay=0.002)
-    mw = DisconnectMiddleware(MeteringMiddleware(app, sinks=[records.append]), backend=backend)
+    states: list[RequestState] = []
+
+    async def noting(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            states.append(scope["asgi_disconnect"])  # the request's state, as documented
+        await app(scope, receive, send)
+
+    mw = DisconnectMiddleware(MeteringMiddleware(noting, sinks=[records.append]), backend=backend)
     async with lifespan(mw):
         released: list[int] = []
 
         async def watch() -> None:
             while True:
-                for generation in list(getattr(backend, "_pending", ())):
-                    released.append(generation.base)
+                for state in states:
+                    if state.generation is not None:
+                        released.append(state.generation.base)  # what the log let go
                 await asyncio.sleep(0.01)
 
         watcher = asyncio.create_task(watch())
