@@ -72,16 +72,8 @@ _TEARDOWN_TIMEOUT = 5.0
 _LISTENER_SCANS = (0.01, 0.05, 0.25, 1.0, 3.0)
 # Enum members read on hot paths, bound once (a member lookup costs ~50 ns).
 _DONE = Delivery.DONE
-_GONE = Delivery.GONE
-_ENDING_CANCELLED = Ending.CANCELLED
-_ENDING_CUT = Ending.CUT
 _ENDING_DELIVERED = Ending.DELIVERED
-_ENDING_FAILED = Ending.FAILED
-_ENDING_INTERRUPTED = Ending.INTERRUPTED
-_STATUS_CANCELLED = Status.CANCELLED
 _STATUS_COMPLETE = Status.COMPLETE
-_STATUS_FAILED = Status.FAILED
-_STATUS_INTERRUPTED = Status.INTERRUPTED
 
 
 class Counters:
@@ -313,7 +305,7 @@ class DisconnectMiddleware:
             await self._tune_listeners()
             loop = asyncio.get_running_loop()
             for delay in _LISTENER_SCANS:
-                loop.call_later(delay, self._tune_soon)
+                loop.call_later(delay, self._tune_listeners)
 
     def _tune_listeners(self) -> asyncio.Future[set[int]]:
         """Give the process's listening sockets the client timeout (see _transport), in a
@@ -334,9 +326,6 @@ class DisconnectMiddleware:
         if self._tuned_ports is None:
             self._tuned_ports = set()
         self._tuned_ports |= scan.result()
-
-    def _tune_soon(self) -> None:
-        self._tune_listeners()
 
     def _find_listener(self, scope: Scope) -> None:
         """At a request: once its listener carries the client timeout, stop looking. A

@@ -11,7 +11,6 @@ chunks produced before them.
 from __future__ import annotations
 
 import asyncio
-import types
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._contract import METERED_ATTRIBUTE
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Outbound"]
 
-_COROUTINE = types.CoroutineType
 _KEEP_ALIVE = b": keep-alive\n\n"
 _GENERATION_HEADER = b"x-generation-id"
 _ENDS_BODY = frozenset({"http.response.pathsend", "http.response.trailers"})

@@ -48,7 +48,8 @@ _COROUTINE = types.CoroutineType
 
 
 class Delivery(enum.Enum):
-    """Where the response stands with the client; written by the writer and the exchange."""
+    """Where the response stands with the client: the writer's, or the response side's for a
+    response sent in one piece (no writer)."""
 
     OPEN = "open"
     """Started; more is to come."""
@@ -172,12 +173,10 @@ class ClientWriter:
 
     def hand(self, message: Message, size: int, count: int) -> None:
         """Start sending ``message`` (in the log up to chunk ``count``) in a task of its own,
-        eagerly; the exchange inlines this for a body chunk that is not the last."""
+        eagerly (:meth:`hand_chunk` is the same for a body chunk that is not the last)."""
         if _last(message, self.expect_trailers):
             self.move(_FINAL)
-        sending: Any = self.send(message)
-        if type(sending) is not _COROUTINE:
-            sending = as_coroutine(sending)
+        sending = as_coroutine(self.send(message))
         task = _Task(sending, loop=self.loop, context=self.context, eager_start=True)  # type: ignore[call-arg]
         if task.done():
             self.took(task, message, size, count)
