@@ -263,6 +263,8 @@ async def test_a_stream_cut_within_its_first_events_is_metered_from_them(
     # It reads the first events, then stops: the app goes on producing until the client
     # counts as gone, so less was delivered than produced.
     record = await record_of(stacked, records, stop_reading_after_bytes=500)
+    await asyncio.sleep(0.1)  # a second record would have come by now
+    assert records == [record], "exactly one usage record"
     assert record.delivered_bytes < record.produced_bytes, record
     assert "analysing the response failed" not in caplog.text
     assert record.outcome == "cancelled"
