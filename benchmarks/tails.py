@@ -53,17 +53,15 @@ async def write(url: str, generations: int, seconds: float, every: float) -> Non
 
 
 async def read(args: argparse.Namespace, url: str) -> tuple[float, float, int]:
-    backend = connect(url)
-    assert isinstance(backend, DurableBackend)
-    await backend.open()
     statements = 0
 
     def count(_: str) -> None:
         nonlocal statements
         statements += 1
 
-    store = backend.store
-    await store._run(lambda: store._db.set_trace_callback(count))  # type: ignore[attr-defined]
+    backend = connect(url, init=lambda db: db.set_trace_callback(count))
+    assert isinstance(backend, DurableBackend)
+    await backend.open()
     try:
         ids = [generation_id(n) for n in range(args.generations)]
         async with asyncio.timeout(30):

@@ -11,6 +11,9 @@ from ._durable import DurableBackend
 from ._memory import MemoryBackend
 
 if TYPE_CHECKING:
+    import sqlite3
+    from collections.abc import Callable
+
     import asyncpg
 
 __all__ = ["Backend", "BackendUnavailable", "DurableBackend", "MemoryBackend", "connect"]
@@ -23,6 +26,7 @@ def connect(
     schema: str | None = None,
     poll_interval: float | None = None,
     connect_timeout: float | None = None,
+    init: Callable[[sqlite3.Connection], object] | None = None,
     **options: Any,
 ) -> Backend:
     """The backend for ``url``.
@@ -36,6 +40,11 @@ def connect(
       Connecting gives up after ``connect_timeout`` seconds (``?connect_timeout=`` or
       ``connect_timeout=``, default 5); a refused connection fails at once.
 
+    ``init`` (SQLite) is called with the store's ``sqlite3.Connection`` once it is open, on
+    the thread that uses it, after the package's pragmas (so one it sets wins) and before
+    the schema is made: a pragma, a function, a trace callback. On PostgreSQL, give
+    ``pool=`` an asyncpg pool made with its own ``init=``.
+
     Durable backends take ``flush_interval`` (default 0.05 s), ``flush_max_bytes``,
     ``lease``, ``sweep_interval``, ``ttl`` (default one day) and ``reap_interval``.
     Nothing connects until ``open()`` (the middleware calls it at lifespan startup), which
@@ -46,6 +55,11 @@ def connect(
     if not sep:
         raise ValueError(f"backend URL needs a scheme such as 'sqlite:///app.db', got {url!r}")
     scheme = scheme.lower()
+    if init is not None and scheme != "sqlite":
+        raise ValueError(
+            f"init= is for SQLite URLs, not {scheme!r}; on PostgreSQL pass pool= an asyncpg "
+            "pool made with init="
+        )
     if scheme == "memory":
         return MemoryBackend(**options)
     if scheme == "sqlite":
@@ -53,7 +67,7 @@ def connect(
 
         if not rest.startswith("/") or rest == "/":
             raise ValueError(f"SQLite URLs look like 'sqlite:///path/to/file.db', got {url!r}")
-        sqlite = SQLiteStore(rest[1:], url=url, poll_interval=poll_interval or 0.05)
+        sqlite = SQLiteStore(rest[1:], url=url, poll_interval=poll_interval or 0.05, init=init)
         return DurableBackend(sqlite, **options)
     if scheme in ("postgresql", "postgres"):
         return _postgres_backend(url, pool, schema, poll_interval, connect_timeout, options)

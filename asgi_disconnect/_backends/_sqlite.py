@@ -193,10 +193,18 @@ class SQLiteStore:
     every ``poll_interval``: the polling costs the same for one tail or a thousand.
     """
 
-    def __init__(self, path: str, *, url: str | None = None, poll_interval: float = 0.05) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        url: str | None = None,
+        poll_interval: float = 0.05,
+        init: Callable[[sqlite3.Connection], object] | None = None,
+    ) -> None:
         if not poll_interval > 0:
             raise ValueError("poll_interval must be positive")
         self.path = path
+        self.init = init
         self.url = url or f"sqlite:///{path}"
         self.poll_interval = poll_interval
         self._executor: ThreadPoolExecutor | None = None
@@ -232,6 +240,8 @@ class SQLiteStore:
             # The log is appended and rarely read back (the OS caches the file anyway): a
             # 256 KiB page cache, not the default 2 MiB, which the process would hold.
             db.execute("pragma cache_size = -256")
+            if self.init is not None:
+                self.init(db)
             db.execute("begin immediate")
             for statement in _SCHEMA.split(";"):
                 if statement.strip():

@@ -240,3 +240,24 @@ async def test_open_can_be_retried_once_the_cause_is_fixed(tmp_path: Path) -> No
     directory.mkdir()
     await backend.open()
     await backend.aclose()
+
+
+async def test_sqlite_init_is_given_the_connection_before_the_schema(sqlite_url: str) -> None:
+    ran: list[str] = []
+    backend = connect(sqlite_url, init=lambda db: db.set_trace_callback(ran.append))
+    await backend.open()
+    try:
+        # Its trace sees the schema made, then what the store runs afterwards.
+        assert any("create table if not exists asgi_disconnect_generations" in s for s in ran)
+        assert not any(s.startswith("pragma journal_mode") for s in ran)
+        ran.clear()
+        assert await backend.get("gen_" + "N" * 24) is None
+        assert any("from asgi_disconnect_generations" in s for s in ran)
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("url", ["memory://", "postgresql://u@h/db"])
+def test_init_is_for_sqlite(url: str) -> None:
+    with pytest.raises(ValueError, match=r"init= is for SQLite URLs.*pool= an asyncpg pool"):
+        connect(url, init=lambda db: None)
