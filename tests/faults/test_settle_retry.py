@@ -264,12 +264,21 @@ async def test_shutdown_settles_what_is_pending_before_the_backend_closes(
     charges = Charges()
     charges.release.set()
     mw = IdempotencyMiddleware(charges.app(), backend=store)
-    async with lifespan(mw):
+
+    async def served(scope: Any, receive: Any, send: Any) -> None:
+        async def shutdown_finds_the_store_back() -> Any:
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                # Only now, so that only the shutdown can settle it.
+                store.refuse_settles = False
+            return message
+
+        await mw(scope, shutdown_finds_the_store_back, send)
+
+    async with lifespan(served):
         store.refuse_settles = True
         answered = await post(mw)
         assert len(mw.pending_settles) == 1
-        mw.pending_settles._stop_retrying()  # only the shutdown may settle it now
-        store.refuse_settles = False
     assert len(mw.pending_settles) == 0
     later = IdempotencyMiddleware(charges.app(), backend=connect(sqlite_url))
     async with lifespan(later):

@@ -405,20 +405,17 @@ async def test_a_route_ttl_overrides_the_default() -> None:
 
 
 async def test_the_response_is_stored_before_its_last_byte_is_sent() -> None:
-    from asgi_disconnect import default_principal
-
-    backend = MemoryBackend()
-    mw = stack(Upstream(), backend=backend)
+    upstream = Upstream()
+    mw = stack(upstream)
     stored_when_sent: list[bool] = []
 
     async def client(scope, receive, send):  # type: ignore[no-untyped-def]
-        principal = default_principal(scope)
-
         async def spy(message):  # type: ignore[no-untyped-def]
             if message["type"] == "http.response.body" and not message.get("more_body"):
-                # What a retry sent the moment this byte arrives would find.
-                held = backend._claims[(principal, "k-1")]
-                stored_when_sent.append(held.response is not None)
+                # A retry sent the moment this byte arrives: the stored response, replayed
+                # (a claim still running would be a 409).
+                retry = await post(mw)
+                stored_when_sent.append(retry.header("idempotent-replayed") == "true")
             await send(message)
 
         await mw(scope, receive, spy)
@@ -431,3 +428,4 @@ async def test_the_response_is_stored_before_its_last_byte_is_sent() -> None:
         headers=[AUTH, ("idempotency-key", "k-1")],
     )
     assert stored_when_sent == [True]
+    assert upstream.calls == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -80,11 +81,12 @@ async def test_the_memory_backend_keeps_its_pins_within_bounds() -> None:
     pins = SessionPins(backend, ttl=60)
     for i in range(5):
         await pins.provider_for(f"s{i}", default="a")
-    assert len(backend._pins) == 3
     # Past the bound the binding closest to its expiry goes first (a memory backend is for
     # one process and tests; a durable one keeps every live binding).
     assert await pins.provider_for("s4", default="b") == "a"
-    assert await pins.provider_for("s0", default="b") == "b"
+    assert await pins.provider_for("s0", default="b") == "b"  # in place of s2, oldest now
+    # Three are kept, no more: ending a session tells whether its binding was there.
+    assert [await pins.end(f"s{i}") for i in range(5)] == [True, False, False, True, True]
 
 
 class CountingPool:
@@ -108,15 +110,19 @@ class CountingPool:
 
 
 @pytest.mark.postgres
-async def test_a_pin_is_one_statement_on_postgresql(postgres_url: str) -> None:
-    backend: Any = connect(postgres_url)
-    await backend.open()
-    counting = backend.store._pool = CountingPool(backend.store.pool)
+async def test_a_pin_is_one_statement_on_postgresql(postgres_dsn: str, postgres_url: str) -> None:
+    import asyncpg
+
+    (schema,) = parse_qs(urlsplit(postgres_url).query)["schema"]
+    counting = CountingPool(await asyncpg.create_pool(postgres_dsn, min_size=1, max_size=2))
+    # Your own pool, as an application that already has one passes it.
+    backend = connect("postgresql://", pool=counting, schema=schema)  # type: ignore[arg-type]
     try:
+        await backend.open()
         pins = SessionPins(backend)
         await pins.provider_for("s1", default="a")  # a first turn
         await pins.provider_for("s1", default="b")  # a later one
         assert counting.statements == ["insert", "insert"]
     finally:
-        backend.store._pool = counting.pool
         await backend.aclose()
+        await counting.pool.close()
