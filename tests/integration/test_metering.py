@@ -87,7 +87,8 @@ async def test_random_disconnects_give_exactly_one_record_each(server: str) -> N
             if record.generation_id not in upstream:
                 # The client left before the gateway's request reached the provider: nothing
                 # was generated, so nothing may have been delivered or billed as output.
-                assert delivered == 0 and not record.output_tokens, record
+                assert delivered == 0, record
+                assert not record.output_tokens, record
                 continue
             billed = upstream[record.generation_id].tokens_sent
             if delivered >= 5:
