@@ -84,7 +84,7 @@ import logging
 import os
 import time
 from base64 import urlsafe_b64encode
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -129,6 +129,32 @@ SCOPE_KEY = "asgi_disconnect"
 # What @metered() sets on an endpoint (MeteringMiddleware's), read by DisconnectMiddleware too:
 # a metered route's response is a generation.
 METERED_ATTRIBUTE = "__asgi_disconnect_metered__"
+
+# A response's content-type value -> what it is; an app has few, so they are remembered
+# (a lower-cased copy and two prefix tests per response cost more than the lookup).
+_CONTENT_KINDS: dict[bytes, str] = {}
+
+
+def content_kind(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """What a response's content-type says it is: ``event-stream``, ``json``, ``other``,
+    or ``""`` when it has none."""
+    for name, value in headers:
+        if name == b"content-type":  # ASGI header names are lower case
+            kinds = _CONTENT_KINDS
+            if type(value) is bytes and value in kinds:
+                return kinds[value]
+            lowered = bytes(value).lower()
+            if lowered.startswith(b"text/event-stream"):
+                kind = "event-stream"
+            elif lowered.startswith(b"application/json"):
+                kind = "json"
+            else:
+                kind = "other"
+            if type(value) is bytes and len(kinds) < 64:
+                kinds[value] = kind
+            return kind
+    return ""
+
 
 Principal = Callable[["Scope"], "str | None"]
 UsageSink = Callable[["UsageRecord"], Awaitable[None] | None]

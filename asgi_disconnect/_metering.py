@@ -10,7 +10,6 @@ import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -22,6 +21,7 @@ from ._contract import (
     RequestState,
     Reservations,
     UsageSink,
+    content_kind,
 )
 from ._lifecycle import lifecycle_of
 from ._records import UsageRecord
@@ -172,6 +172,9 @@ class MeteringMiddleware:
         self.app = app
         self.sinks = tuple(sinks)
         self.provider = provider
+        # Asked per request, or the same for all.
+        self._provider_of = provider if callable(provider) else None
+        self._provider = None if callable(provider) else provider
         self.reservations = reservations
         self.tokenizer = tokenizer
         self.calibration = Calibration()
@@ -189,16 +192,17 @@ class MeteringMiddleware:
             await self.app(scope, receive, send)
             return
         state = scope.get("asgi_disconnect")
-        if not isinstance(state, RequestState):
+        if type(state) is not RequestState and not isinstance(state, RequestState):
             state = None
         elif state.marks is not None:
             state.usage_pending = True  # an observer waits for this request's record
-        provider = self.provider(scope) if callable(self.provider) else self.provider
-        tee = _Tee(scope, provider, time.time(), time.monotonic(), state)
+        provider_of = self._provider_of
+        provider = provider_of(scope) if provider_of is not None else self._provider
+        tee = _Tee(scope, provider, time.time(), time.monotonic(), state, self)
         reservation: Any = None
         if self.reservations is not None:
             try:
-                reservation = await self.reservations.reserve(scope)
+                reservation = tee.reservation = await self.reservations.reserve(scope)
             except Exception:
                 logger.exception("reserve() failed; the request runs without a reservation")
 
@@ -225,15 +229,22 @@ class MeteringMiddleware:
             tee.ended = time.monotonic()
             if state is not None:
                 # The exchange may still be delivering: record when it is over.
-                state.on_finished(partial(self._finished, scope, tee, state, reservation))
+                state.on_finished(tee.over)
             else:
                 await shielded(self._emit(scope, tee, None, reservation))
 
-    def _finished(self, scope: Scope, tee: _Tee, state: RequestState, reservation: Any) -> None:
+    def _finished(self, tee: _Tee, state: RequestState) -> None:
         """The exchange is over: emit its record now when nothing in it waits (no
         reservation to settle, a short text to count, sinks that return nothing), else
         queue the emission for the one emitter task."""
-        if self.reservations is not None or tee.text_bound() > _OFF_LOOP_TEXT:
+        scope, reservation = tee.scope, tee.reservation
+        meter = tee.meter
+        # At most how many characters of text the report holds: counted off the loop above
+        # _OFF_LOOP_TEXT (unless the count is the default's, a division).
+        if (
+            self.reservations is not None
+            or (meter.text_chars if meter is not None else tee.produced) > _OFF_LOOP_TEXT
+        ):
             self._queue(self._emit(scope, tee, state, reservation))
             return
         if tee.direct and state.generation is None and tee.mark is None and tee.status_code:
@@ -266,9 +277,9 @@ class MeteringMiddleware:
         for waiting in self._to_sinks(record):
             self._queue(waiting)
 
-    def _to_sinks(self, record: UsageRecord) -> list[Awaitable[None]]:
+    def _to_sinks(self, record: UsageRecord) -> Sequence[Awaitable[None]]:
         """Give ``record`` to each sink; what async sinks return, to await in order."""
-        waiting: list[Awaitable[None]] = []
+        waiting: list[Awaitable[None]] | None = None
         for sink in self.sinks:
             try:
                 result = sink(record)
@@ -276,8 +287,10 @@ class MeteringMiddleware:
                 logger.exception("a usage sink failed for generation %s", record.generation_id)
                 continue
             if result is not None:
+                if waiting is None:
+                    waiting = []
                 waiting.append(_awaited(result, record))
-        return waiting
+        return waiting or ()
 
     def _queue(self, job: Awaitable[None]) -> None:
         self._jobs.append(job)
@@ -432,8 +445,9 @@ class MeteringMiddleware:
     ) -> UsageRecord:
         """The record; ``estimate``: the output tokens counted already (off the loop)."""
         produced = tee.produced
-        delivered = state.delivered_bytes if state is not None else tee.produced
-        delivered = min(delivered, produced)
+        delivered = state.delivered_bytes if state is not None else produced
+        if delivered > produced:
+            delivered = produced
         outcome, error_type = _outcome(tee, state, report)
         upstream = state.upstream_usage if state is not None else None
         if upstream is not None and report.usage_source != "provider":
@@ -477,7 +491,7 @@ class MeteringMiddleware:
             error_type,
             report.cache_read_tokens,
             report.reasoning_tokens,
-            "; ".join(notes) or None,
+            "; ".join(notes) if notes else None,
         )
 
     def _unknown(self, scope: Scope, tee: _Tee, state: RequestState | None) -> UsageRecord:
@@ -519,9 +533,11 @@ class _Tee:
         "log",
         "mark",
         "meter",
+        "metering",
         "produced",
         "provider",
         "recognized",
+        "reservation",
         "scope",
         "started",
         "started_at",
@@ -537,8 +553,11 @@ class _Tee:
         started_at: float,
         started: float,
         state: RequestState | None,
+        metering: MeteringMiddleware,
     ) -> None:
         self.scope = scope
+        self.metering = metering
+        self.reservation: Any = None
         self.mark: str | bool | None = None  # what @metered says, read at the start
         self.recognized = False  # a JSON body of an LLM API (see ``report``)
         self.provider = provider
@@ -586,6 +605,12 @@ class _Tee:
             self._start(message)
         return None
 
+    def over(self) -> None:
+        """The exchange is over (:meth:`RequestState.on_finished`): the record is made."""
+        state = self.state
+        assert state is not None
+        self.metering._finished(self, state)
+
     def _first_event(self) -> None:
         self.first_event = time.monotonic() - self.started
         state = self.state
@@ -616,23 +641,19 @@ class _Tee:
         if mark is False:
             self._step_aside()
             return
-        if isinstance(mark, str):
+        if type(mark) is str:
             self.provider = mark
-        for name, value in message.get("headers", ()):
-            if name == b"content-type":  # ASGI header names are lower case
-                content_type = bytes(value).lower()
-                if content_type.startswith(b"text/event-stream"):
-                    self.is_event_stream = True
-                    # With marks: a stream cut within its first events (the ones read as
-                    # produced) needs them for the share its client received.
-                    self.meter = StreamMeter(self.provider, marks=True)
-                    if self.state is not None:
-                        # DisconnectMiddleware ends the generation by it.
-                        self.state.stream_ending = self.ending
-                elif content_type.startswith(b"application/json"):
-                    self._json = True
-                break
-        if mark is None and not self.is_event_stream and not self._json:
+        kind = content_kind(message.get("headers", ()))
+        if kind == "event-stream":
+            self.is_event_stream = True
+            # With marks: a stream cut within its first events (the ones read as produced)
+            # needs them for the share its client received.
+            self.meter = StreamMeter(self.provider, marks=True)
+            if self.state is not None:
+                self.state.stream_ending = self.ending  # DisconnectMiddleware ends it by this
+        elif kind == "json":
+            self._json = True
+        elif mark is None:
             self._step_aside()
 
     def _to_log(self) -> bool:
@@ -732,17 +753,11 @@ class _Tee:
                     head, bytes(tail[-_JSON_TAIL:]), self.provider
                 )
                 return report
-            report, self.recognized = _json_report(
-                b"".join(self.chunks or ()), self.provider, self.status_code
-            )
+            chunks = self.chunks
+            body = b"" if chunks is None else chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            report, self.recognized = _json_report(body, self.provider, self.status_code)
             return report
         return analyze(b"", self.provider)
-
-    def text_bound(self) -> int:
-        """At most how many characters of text the report will hold (counted off the loop
-        above _OFF_LOOP_TEXT, unless the count is the default's, a division)."""
-        meter = self.meter
-        return meter.text_chars if meter is not None else self.produced
 
     def text_chars_within(self, size: int) -> int:
         """Characters of output text in the events that ended within the first ``size``
@@ -914,26 +929,6 @@ async def _awaited(result: Awaitable[object], record: UsageRecord) -> None:
         logger.exception("a usage sink failed for generation %s", record.generation_id)
 
 
-class _JsonBody(msgspec.Struct):
-    """The members of a JSON response that metering reads; the others are skipped, not
-    built. Any member may be of any shape: what is not as expected counts as absent."""
-
-    object: Any = None
-    type: Any = None
-    model: Any = None
-    error: Any = None
-    stop_reason: Any = None
-    status: Any = None
-    # UNSET: absent, told apart from null (a member that is there at all marks an LLM API).
-    usage: Any = msgspec.UNSET
-    usageMetadata: Any = msgspec.UNSET  # Gemini's name
-    choices: Any = msgspec.UNSET
-    candidates: Any = msgspec.UNSET
-
-
-_JSON_BODY = msgspec.json.Decoder(_JsonBody)
-
-
 class _JsonUsage(msgspec.Struct, frozen=True, gc=False):
     """What a JSON response said, with the members of a :class:`StreamReport` that a record
     reads; built positionally, once per JSON request."""
@@ -954,6 +949,26 @@ class _JsonUsage(msgspec.Struct, frozen=True, gc=False):
 
 
 _JSON_FORMATS = {"chat.completion": "openai_chat", "response": "openai_responses"}
+
+
+class _JsonBody(msgspec.Struct):
+    """The members of a JSON response that metering reads; the others are skipped, not
+    built. Any member may be of any shape: what is not as expected counts as absent."""
+
+    object: Any = None
+    type: Any = None
+    model: Any = None
+    error: Any = None
+    stop_reason: Any = None
+    status: Any = None
+    # UNSET: absent, told apart from null (a member that is there at all marks an LLM API).
+    usage: Any = msgspec.UNSET
+    usageMetadata: Any = msgspec.UNSET  # Gemini's name
+    choices: Any = msgspec.UNSET
+    candidates: Any = msgspec.UNSET
+
+
+_JSON_BODY = msgspec.json.Decoder(_JsonBody)
 
 
 def _json_counts(payload: _JsonBody) -> tuple[int | None, int | None]:
@@ -1004,7 +1019,8 @@ def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple
     input_tokens, output_tokens = _json_counts(payload)
     error = payload.error if type(payload.error) is dict else None
     kind = payload.object
-    fmt = _JSON_FORMATS.get(kind) if type(kind) is str else None  # any JSON may be there
+    # Any JSON may be there: a member that is no string is no format.
+    fmt = _JSON_FORMATS[kind] if type(kind) is str and kind in _JSON_FORMATS else None
     if fmt is None:
         if payload.type == "message":
             fmt = "anthropic_messages"
@@ -1025,7 +1041,7 @@ def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple
         output_tokens,
         "provider" if output_tokens is not None else "none",
         _json_finish(payload),
-        _text(payload.model),
+        payload.model if type(payload.model) is str else None,
     )
     return report, recognized
 
@@ -1209,6 +1225,7 @@ def _record(
 ) -> UsageRecord:
     """The record: what the request was, whatever its body said, and what it cost."""
     route = scope.get("route")
+    path = getattr(route, "path", None)
     generation_id: str | None
     principal: str | None
     policy: str | None
@@ -1222,8 +1239,8 @@ def _record(
     return UsageRecord(
         generation_id,
         principal,
-        scope.get("method", ""),
-        getattr(route, "path", None) or scope.get("path", ""),
+        scope["method"],
+        path or scope["path"],
         tee.status_code,
         provider,
         model,
@@ -1261,8 +1278,11 @@ def _outcome(tee: _Tee, state: RequestState | None, report: Any) -> tuple[str, s
         else:
             outcome = "truncated"
     error_type = report.error_type
-    cancelled = isinstance(failure, asyncio.CancelledError)
-    if error_type is None and failure is not None and not cancelled:
+    if (
+        error_type is None
+        and failure is not None
+        and not isinstance(failure, asyncio.CancelledError)
+    ):
         error_type = getattr(failure, "error_type", None) or type(failure).__name__
     return outcome, error_type
 
@@ -1273,7 +1293,7 @@ def _unread(
     """Say in ``notes`` what metering could not read."""
     if output_tokens is None and tee.log is not None and tee.within is None:
         notes.append("the stream's text could not be read back from the store")
-    skipped = getattr(report, "skipped_events", 0)
+    skipped = report.skipped_events
     if skipped:
         notes.append(f"{skipped} event(s) over the meter's window were not read")
     if tee.bounded and usage_source == "none":
@@ -1282,14 +1302,15 @@ def _unread(
 
 def _failed_outcome(tee: _Tee, state: RequestState | None) -> str | None:
     """``cancelled``, ``interrupted`` or ``error`` when the exchange says so, else None."""
-    if isinstance(tee.failure, asyncio.CancelledError):
+    failure = tee.failure
+    if failure is None:
+        return "error" if (tee.status_code or 0) >= 400 else None
+    if isinstance(failure, asyncio.CancelledError):
         policy = state.policy if state is not None else None
         return "cancelled" if policy is not None and policy.value == "cancel" else "interrupted"
-    if getattr(tee.failure, "error_type", None) == "truncated_stream":
+    if getattr(failure, "error_type", None) == "truncated_stream":
         return "truncated"  # asgi_disconnect.upstream.TruncatedStream
-    if tee.failure is not None or (tee.status_code or 0) >= 400:
-        return "error"
-    return None
+    return "error"
 
 
 def _dict(value: object) -> dict[str, Any]:

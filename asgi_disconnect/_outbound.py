@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._contract import METERED_ATTRIBUTE
+from ._contract import METERED_ATTRIBUTE, content_kind
 from ._log import Generation
 from ._policy import route_policy
 from ._records import Status
@@ -73,15 +73,10 @@ def response_kind(scope: Scope, state: RequestState, policy: Any, message: Messa
     endpoint = scope.get("endpoint") or getattr(scope.get("route"), "endpoint", None)
     if getattr(endpoint, METERED_ATTRIBUTE, None):
         return "generation"
-    for name, value in message.get("headers", ()):
-        if name == b"content-type":
-            value = value.lower()
-            if value.startswith(b"text/event-stream"):
-                return "generation"
-            if value.startswith(b"application/json"):
-                return "json"
-            return "other"
-    return "other"
+    kind = content_kind(message.get("headers", ()))
+    if kind == "event-stream":
+        return "generation"
+    return "json" if kind == "json" else "other"
 
 
 def finish_body(generation: Generation, end: str | None) -> None:
