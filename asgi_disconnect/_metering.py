@@ -143,11 +143,8 @@ def metered(provider: str | bool | None = None) -> Callable[[_E], _E]:
 
 def _route_mark(scope: Scope) -> str | bool | None:
     """What ``@metered`` says of the routed endpoint, if routing has happened."""
-    endpoint = scope.get("endpoint")
-    mark = getattr(endpoint, METERED_ATTRIBUTE, None)
-    if mark is None:
-        mark = getattr(getattr(scope.get("route"), "endpoint", None), METERED_ATTRIBUTE, None)
-    return mark
+    endpoint = scope.get("endpoint") or getattr(scope.get("route"), "endpoint", None)
+    return getattr(endpoint, METERED_ATTRIBUTE, None)
 
 
 class MeteringMiddleware:
@@ -463,10 +460,15 @@ class MeteringMiddleware:
         # A stream left to its log has its text only if it was read whole.
         text = report.text if tee.log is None or tee.within is not None else ""
         notes: list[str] = []
-        input_tokens, output_tokens, usage_source = self._counts(
-            tee, state, report, text, estimate, notes
-        )
-        _unread(tee, report, output_tokens, usage_source, notes)
+        input_tokens, output_tokens = report.input_tokens, report.output_tokens
+        usage_source = report.usage_source
+        if text or (input_tokens is None and state is not None and state.request_body):
+            # There is text to count or learn from, or a prompt to estimate.
+            input_tokens, output_tokens, usage_source = self._counts(
+                tee, state, report, text, estimate, notes
+            )
+        if tee.log is not None or report.skipped_events or tee._head is not None:
+            _unread(tee, report, output_tokens, usage_source, notes)
         delivered_tokens = output_tokens
         if output_tokens is not None and delivered < produced:
             # Scale the count by the share of the output text that reached the client.
@@ -712,11 +714,6 @@ class _Tee:
         report = reader.report()
         self.within = reader.within
         return report
-
-    @property
-    def bounded(self) -> bool:
-        """A JSON body too large to hold, read by its ends."""
-        return self._head is not None
 
     def _bound_json(self) -> None:
         """The JSON body is too large to hold: keep its head and, from now on, its tail."""
@@ -1296,7 +1293,7 @@ def _unread(
     skipped = report.skipped_events
     if skipped:
         notes.append(f"{skipped} event(s) over the meter's window were not read")
-    if tee.bounded and usage_source == "none":
+    if tee._head is not None and usage_source == "none":  # a bounded JSON body
         notes.append("a JSON body over 4 MiB, read by its ends: no usage there")
 
 
