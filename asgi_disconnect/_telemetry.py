@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ._contract import Principal, RequestState, default_principal, request_state
@@ -152,6 +153,8 @@ class TelemetryMiddleware:
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self._trace = trace
+        self._get_current_span = trace.get_current_span
+        self._set_span_in_context = trace.set_span_in_context
         self._context = context
         self._propagate = propagate
         self._getter = _header_getter()
@@ -222,27 +225,20 @@ class TelemetryMiddleware:
         return [Observation(self.in_flight)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            await self._request(scope, receive, send)
-        elif scope["type"] == "lifespan":
-            lifecycle, owner = lifecycle_of(scope)
-            lifecycle.register("TelemetryMiddleware", unique=True, close=self.flush)
-            await lifecycle.run(owner, self.app, scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
-
-    async def _request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._not_http(scope, receive, send)
+            return
         state = request_state(scope, self.principal)
         state.marks = []
-        trace = self._trace
-        parent = self._context.get_current()
-        if trace.get_current_span(parent).get_span_context().is_valid:
+        context = self._context
+        parent = context.get_current()
+        if self._get_current_span(parent).get_span_context().is_valid:
             kind = self._internal  # an outer instrumentation's span is the server span
         else:
             kind = self._server
             headers = scope["headers"]
-            fields = self._fields
-            if any(name in fields for name, _ in headers):
+            # In one C call: does the request carry a header the propagator reads?
+            if not self._fields.isdisjoint(dict(headers)):
                 parent = self._propagate.extract(headers, parent, getter=self._getter)
         method = scope["method"]
         span = self.tracer.start_span(
@@ -255,7 +251,7 @@ class TelemetryMiddleware:
                 "url.scheme": scope.get("scheme", "http"),
             },
         )
-        token = self._context.attach(trace.set_span_in_context(span, parent))
+        token = context.attach(self._set_span_in_context(span, parent))
         self.in_flight += 1
         failure: BaseException | None = None
         try:
@@ -264,59 +260,77 @@ class TelemetryMiddleware:
             failure = exc
             raise
         finally:
-            self._context.detach(token)
+            context.detach(token)
             self.in_flight -= 1
             try:
                 self._response_over(span, scope, state, failure)
             except Exception:  # telemetry never fails a request
                 logger.exception("recording the request's telemetry failed")
 
+    async def _not_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            lifecycle, owner = lifecycle_of(scope)
+            lifecycle.register("TelemetryMiddleware", unique=True, close=self.flush)
+            await lifecycle.run(owner, self.app, scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
     def _response_over(
         self, span: Any, scope: Scope, state: RequestState, failure: BaseException | None
     ) -> None:
         ended = time.time_ns()
+        route = _route(scope)
+        # Named before routing: now the route is known.
+        name = f"{scope['method']} {route}" if route else None
         marks = state.marks or []
-        state.marks = None if not state.detached or state.finished else []
-        self._count_request(scope, state)
-        if state.detached and not state.finished:
+        detached = state.detached and not state.finished
+        state.marks = [] if detached else None
+        if state.disconnect_reason is not None or state.detached or state.idempotency is not None:
+            self._count_request(route, state)
+        if detached:
             # The response is over, the work goes on: the continuation span follows it.
-            detached_at = next((t for name, t in marks if name == "detached"), ended)
-            continuation = self.tracer.start_span(
-                "detached " + _span_name(scope),
-                self._trace.set_span_in_context(span),
-                self._internal,
-                {"asgi_disconnect.generation.id": state.generation_id},
-                [self._trace.Link(span.get_span_context())],
-                detached_at,
-            )
-            self._end_span(span, scope, state, failure, None, marks, ended, False)
-            self._when_settled(
-                state,
-                lambda record: self._end_span(
-                    continuation, scope, state, None, record, state.marks or [], None, True
-                ),
-            )
+            self._continue(span, state, failure, marks, ended, route, name, scope["method"])
             return
-        self._when_settled(
+        if not state.usage_pending and (state.finished or not state.handled):
+            # Settled already: over, or answered without DisconnectMiddleware (a replay, a
+            # refusal). Else the record comes later, to the same call.
+            self._end_span(span, state, failure, marks, ended, route, name, True, state.usage)
+        else:
+            end = partial(self._end_span, span, state, failure, marks, ended, route, name, True)
+            _when_settled(state, end)
+
+    def _continue(
+        self,
+        span: Any,
+        state: RequestState,
+        failure: BaseException | None,
+        marks: list[tuple[str, int]],
+        ended: int,
+        route: str,
+        name: str | None,
+        method: str,
+    ) -> None:
+        """End the request span of work that detached, and start its continuation span,
+        which ends when the work does."""
+        detached_at = next((t for moment, t in marks if moment == "detached"), ended)
+        continuation = self.tracer.start_span(
+            "detached " + (name or method),
+            self._set_span_in_context(span),
+            self._internal,
+            {"asgi_disconnect.generation.id": state.generation_id},
+            [self._trace.Link(span.get_span_context())],
+            detached_at,
+        )
+        self._end_span(span, state, failure, marks, ended, route, name, False, None)
+        _when_settled(
             state,
-            lambda record: self._end_span(span, scope, state, failure, record, marks, ended, True),
+            lambda record: self._end_span(
+                continuation, state, None, state.marks or [], None, route, None, True, record
+            ),
         )
 
-    @staticmethod
-    def _when_settled(state: RequestState, then: Callable[[UsageRecord | None], None]) -> None:
-        """Call ``then`` with the request's usage record once its work is over: now, when
-        metering has settled it or is not there, else when it does."""
-        if state.usage_pending:
-            state.usage_hook = then
-        elif state.finished or not state.handled:
-            # Over, or answered without DisconnectMiddleware (a replay, a refusal).
-            then(state.usage)
-        else:
-            state.on_finished(lambda: TelemetryMiddleware._when_settled(state, then))
-
-    def _count_request(self, scope: Scope, state: RequestState) -> None:
-        route = _route(scope)
-        policy = state.policy.value if state.policy is not None else ""
+    def _count_request(self, route: str, state: RequestState) -> None:
+        policy = str(state.policy) if state.policy is not None else ""
         counts = self.counts
         if state.disconnect_reason is not None:
             counts["asgi_disconnect.requests.disconnected"].add(1, _POLICY_NAMES, (route, policy))
@@ -331,113 +345,42 @@ class TelemetryMiddleware:
     def _end_span(
         self,
         span: Any,
-        scope: Scope,
         state: RequestState,
         failure: BaseException | None,
-        record: UsageRecord | None,
         marks: list[tuple[str, int]],
         end_time: int | None,
+        route: str,
+        name: str | None,
         last: bool,
+        record: UsageRecord | None,
     ) -> None:
-        """Put what is known on ``span`` and end it; ``last``: the work is over, so its
-        record and the generation's status are counted (once per request)."""
-        error_type = None
-        if failure is not None and not isinstance(failure, asyncio.CancelledError):
-            error_type = getattr(failure, "error_type", None) or type(failure).__qualname__
+        """Put what is known on ``span`` and end it. ``name``: its name now that the route
+        is known (None: as it is); ``last``: the work is over, so its record and the
+        generation's status are counted (once per request)."""
+        if failure is not None and isinstance(failure, asyncio.CancelledError):
+            failure = None  # a cancel is no error of the request's
         generation = state.generation
-        generation_status = generation.status.value if generation is not None else None
-        genai: dict[str, Any] | None = None
-        if record is not None:
-            error_type = error_type or record.error_type
-            if error_type is None and record.outcome in _FAILED_OUTCOMES:
-                error_type = record.outcome
-            genai = self._genai(state, record, error_type)
-        elif last and generation_status == "interrupted":
-            error_type = "interrupted"
+        # The generation's status is told once its work is over.
+        generation_status = str(generation.status) if last and generation is not None else None
+        error_type = _error_type(failure, record, generation_status)
+        genai = None if record is None else self._genai(state, record, error_type)
         if span.is_recording():
-            self._record_on(
-                span, scope, state, failure, record, genai, error_type, generation_status, last
-            )
-            for name, at in marks:
-                span.add_event("asgi_disconnect." + name, timestamp=at)
+            status = generation.status_code if generation is not None else state.response_status
+            attributes = _attributes(state, record, genai, status, generation_status, error_type)
+            if route:
+                attributes["http.route"] = route
+            span.set_attributes(attributes)
+            if name is not None:
+                span.update_name(name)
+            if error_type is not None or (status or 0) >= 500:
+                if failure is not None:
+                    span.record_exception(failure)
+                span.set_status(self._error, error_type or f"HTTP {status}")
+            for moment, at in marks:
+                span.add_event("asgi_disconnect." + moment, timestamp=at)
         span.end(end_time)
         if last:
-            self._count_end(state, _route(scope), record, genai)
-
-    def _record_on(
-        self,
-        span: Any,
-        scope: Scope,
-        state: RequestState,
-        failure: BaseException | None,
-        record: UsageRecord | None,
-        genai: dict[str, Any] | None,
-        error_type: str | None,
-        generation_status: str | None,
-        last: bool,
-    ) -> None:
-        """A recorded span's attributes, name and status."""
-        generation = state.generation
-        status = generation.status_code if generation is not None else state.response_status
-        attributes = self._attributes(state, record, genai, status, generation_status, last)
-        if error_type is not None:
-            attributes["error.type"] = error_type
-        route = _route(scope)
-        if route:
-            attributes["http.route"] = route
-            if span.name == scope["method"]:  # the request span, named before routing
-                span.update_name(_span_name(scope))
-        span.set_attributes(attributes)
-        if error_type is not None or (status or 0) >= 500:
-            if failure is not None and not isinstance(failure, asyncio.CancelledError):
-                span.record_exception(failure)
-            span.set_status(self._error, error_type or f"HTTP {status}")
-
-    @staticmethod
-    def _attributes(
-        state: RequestState,
-        record: UsageRecord | None,
-        genai: dict[str, Any] | None,
-        status: int | None,
-        generation_status: str | None,
-        last: bool,
-    ) -> dict[str, Any]:
-        """A recorded span's attributes (an unsampled span gets none built)."""
-        attributes: dict[str, Any] = {
-            "asgi_disconnect.generation.id": state.generation_id,
-            "asgi_disconnect.detached": state.detached,
-            "asgi_disconnect.produced.bytes": state.produced_bytes,
-            "asgi_disconnect.delivered.bytes": state.delivered_bytes,
-            "asgi_disconnect.delivery": state.delivery,
-        }
-        if status is not None:
-            attributes["http.response.status_code"] = status
-        if state.policy is not None:
-            attributes["asgi_disconnect.policy"] = state.policy.value
-        if state.ending is not None:
-            attributes["asgi_disconnect.ending"] = state.ending.value
-        if state.idempotency is not None:
-            attributes["asgi_disconnect.idempotency.outcome"] = state.idempotency
-        if last and generation_status is not None:
-            attributes["asgi_disconnect.generation.status"] = generation_status
-        if record is None:
-            return attributes
-        attributes["asgi_disconnect.outcome"] = record.outcome
-        attributes["asgi_disconnect.usage.source"] = record.usage_source
-        if record.produced_output_tokens is not None:
-            attributes["asgi_disconnect.produced.output_tokens"] = record.produced_output_tokens
-        if record.delivered_output_tokens is not None:
-            attributes["asgi_disconnect.delivered.output_tokens"] = record.delivered_output_tokens
-        if genai:
-            attributes.update(genai)
-        if record.usage_source == "provider":
-            if record.input_tokens is not None:
-                attributes["gen_ai.usage.input_tokens"] = record.input_tokens
-            if record.output_tokens is not None:
-                attributes["gen_ai.usage.output_tokens"] = record.output_tokens
-        if record.finish_reason:
-            attributes["gen_ai.response.finish_reasons"] = (record.finish_reason,)
-        return attributes
+            self._count_end(state, route, record, genai, generation_status)
 
     def _genai(
         self, state: RequestState, record: UsageRecord, error_type: str | None
@@ -465,13 +408,12 @@ class TelemetryMiddleware:
         route: str,
         record: UsageRecord | None,
         genai: dict[str, Any] | None,
+        status: str | None,
     ) -> None:
         counts = self.counts
-        key = (route, state.policy.value if state.policy is not None else "")
+        key = (route, str(state.policy) if state.policy is not None else "")
         if state.ending == "cancelled":
             counts["asgi_disconnect.requests.cancelled"].add(1, _POLICY_NAMES, key)
-        generation = state.generation
-        status = generation.status.value if generation is not None else None
         if state.detached and status == "complete":
             counts["asgi_disconnect.generations.detach_completed"].add(1, _POLICY_NAMES, key)
         if status == "interrupted":
@@ -515,9 +457,87 @@ _POLICY_NAMES = ("http.route", "asgi_disconnect.policy")
 _IDEMPOTENCY_NAMES = ("http.route", "asgi_disconnect.idempotency.outcome")
 
 
-def _span_name(scope: Scope) -> str:
-    route = _route(scope)
-    return f"{scope['method']} {route}" if route else scope["method"]
+def _when_settled(state: RequestState, then: Callable[[UsageRecord | None], None]) -> None:
+    """Call ``then`` with the request's usage record once its work is over: now, when
+    metering has settled it or is not there, else when it does."""
+    if state.usage_pending:
+        state.usage_hook = then
+    elif state.finished or not state.handled:
+        # Over, or answered without DisconnectMiddleware (a replay, a refusal).
+        then(state.usage)
+    else:
+        state.on_finished(partial(_when_settled, state, then))
+
+
+def _attributes(
+    state: RequestState,
+    record: UsageRecord | None,
+    genai: dict[str, Any] | None,
+    status: int | None,
+    generation_status: str | None,
+    error_type: str | None,
+) -> dict[str, Any]:
+    """A recorded span's attributes (an unsampled span gets none built), all at once."""
+    generation = state.generation
+    attributes: dict[str, Any] = {
+        "asgi_disconnect.generation.id": state.generation_id,
+        "asgi_disconnect.detached": state.detached,
+        "asgi_disconnect.produced.bytes": generation.size if generation is not None else 0,
+        "asgi_disconnect.delivered.bytes": state.delivered_bytes,
+        "asgi_disconnect.delivery": state.delivery,
+    }
+    if status is not None:
+        attributes["http.response.status_code"] = status
+    if state.policy is not None:
+        attributes["asgi_disconnect.policy"] = str(state.policy)
+    if state.ending is not None:
+        attributes["asgi_disconnect.ending"] = str(state.ending)
+    if state.idempotency is not None:
+        attributes["asgi_disconnect.idempotency.outcome"] = state.idempotency
+    if generation_status is not None:
+        attributes["asgi_disconnect.generation.status"] = generation_status
+    if record is not None:
+        _record_attributes(attributes, record, genai)
+    if error_type is not None:
+        attributes["error.type"] = error_type
+    return attributes
+
+
+def _error_type(
+    failure: BaseException | None, record: UsageRecord | None, generation_status: str | None
+) -> str | None:
+    """The request's ``error.type``: the failure's, else its record's or its record's failed
+    outcome; a generation interrupted before it had a record is ``interrupted``."""
+    error_type = None
+    if failure is not None:
+        error_type = getattr(failure, "error_type", None) or type(failure).__qualname__
+    if record is None:
+        return "interrupted" if generation_status == "interrupted" else error_type
+    if error_type is None:
+        error_type = record.error_type
+    if error_type is None and record.outcome in _FAILED_OUTCOMES:
+        error_type = record.outcome
+    return error_type
+
+
+def _record_attributes(
+    attributes: dict[str, Any], record: UsageRecord, genai: dict[str, Any] | None
+) -> None:
+    attributes["asgi_disconnect.outcome"] = record.outcome
+    attributes["asgi_disconnect.usage.source"] = record.usage_source
+    if record.produced_output_tokens is not None:
+        attributes["asgi_disconnect.produced.output_tokens"] = record.produced_output_tokens
+    if record.delivered_output_tokens is not None:
+        attributes["asgi_disconnect.delivered.output_tokens"] = record.delivered_output_tokens
+    if genai:
+        attributes.update(genai)
+    if record.usage_source == "provider":
+        if record.input_tokens is not None:
+            attributes["gen_ai.usage.input_tokens"] = record.input_tokens
+        if record.output_tokens is not None:
+            attributes["gen_ai.usage.output_tokens"] = record.output_tokens
+    if record.finish_reason:
+        attributes["gen_ai.response.finish_reasons"] = (record.finish_reason,)
 
 
 def _route(scope: Scope) -> str:
