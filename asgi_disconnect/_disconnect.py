@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import re
 import sys
 import types
@@ -543,6 +544,7 @@ class _Exchange:
 
     __slots__ = (
         "app_error",
+        "app_scope",
         "app_task",
         "mw",
         "out",
@@ -570,6 +572,9 @@ class _Exchange:
         self.out = Outbound(mw, self, scope, send, state, reader)
         self.request_task: asyncio.Task[Any] | None = None
         self.app_task: asyncio.Task[None] | None = None
+        # Around the app in its task: a cancellation of the request from outside reaches
+        # the app through it, as it would reach the app bare (anyio's shields hold).
+        self.app_scope: anyio.CancelScope | None = None
         self.app_error: BaseException | None = None
         # How the app ended, and what that makes of its generation.
         self.outcome = Outcome(self.out, state, mw.counters)
@@ -748,6 +753,9 @@ class _Exchange:
     async def _request_cancelled(self) -> None:
         app_task = self.app_task
         assert app_task is not None
+        # Cancelled by an anyio cancel scope around the request (a test client's, a
+        # framework's), not once by the server.
+        by_scope = anyio.current_effective_deadline() == -math.inf
         self.out.client_left("client")
         if app_task.done():
             return
@@ -770,7 +778,12 @@ class _Exchange:
                 return
             self.move(_CANCELLING)
         # Not detached: stop the app and let its finally blocks run before we return.
-        app_task.cancel()
+        if by_scope and self.app_scope is not None:
+            # As bare, the app's awaits are cancelled until it returns, but for the ones
+            # under a shield of its own (a dependency's cleanup, say).
+            self.app_scope.cancel()
+        else:
+            app_task.cancel()  # once, as the server cancelled the request
         await _teardown(app_task)
 
     def part_done(self, _: asyncio.Task[Any]) -> None:
@@ -917,8 +930,10 @@ class _Exchange:
         state = self.state
         current_state.set(state)
         send = state.app_send = self.out.app_send
+        app_scope = self.app_scope = anyio.CancelScope()
         try:
-            await self.mw.app(self.scope, self.reader.take, send)
+            with app_scope:
+                await self.mw.app(self.scope, self.reader.take, send)
         except asyncio.CancelledError as exc:
             self.outcome.app_ended(exc)
             task = asyncio.current_task()
@@ -937,4 +952,9 @@ class _Exchange:
             else:
                 self.app_error = exc
         else:
+            if app_scope.cancelled_caught:
+                # Its request's cancel scope was cancelled (above): it ends cancelled, as bare.
+                cancelled = asyncio.CancelledError()
+                self.outcome.app_ended(cancelled)
+                raise cancelled
             self.outcome.app_ended(None)

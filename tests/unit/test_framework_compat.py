@@ -124,6 +124,56 @@ async def test_a_request_cancelled_from_outside_returns_after_the_apps_cleanup(
     assert events == ["enter", "cleanup done"]
 
 
+@pytest.mark.parametrize("installed", [False, True], ids=["bare", "installed"])
+@pytest.mark.parametrize("warm", [False, True], ids=["first-request", "warm-route"])
+async def test_a_cancel_scope_cancelled_during_the_apps_shielded_cleanup_waits_for_it(
+    installed: bool, warm: bool
+) -> None:
+    """FastAPI shields a dependency's cleanup: a cancel scope around the request that is
+    cancelled meanwhile returns after it, the stack's app task as the app run bare."""
+    events: list[str] = []
+    release, in_cleanup = anyio.Event(), anyio.Event()
+
+    async def slow(request: Request) -> JSONResponse:
+        events.append("enter")
+        try:
+            if request.query_params.get("wait") == "1":
+                await release.wait()
+        finally:
+            with anyio.CancelScope(shield=True):
+                in_cleanup.set()
+                await anyio.sleep(0.1)
+            events.append("cleanup done")
+        return JSONResponse({})
+
+    app = Starlette(routes=[Route("/slow", slow)])
+    if installed:
+        install(app, backend=MemoryBackend(), idempotency=True, drain=True)
+    if warm:
+        assert (await drive(app, path="/slow")).status == 200
+        events.clear()
+        in_cleanup = anyio.Event()
+    at_return: list[list[str]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    async def client(*, task_status: Any) -> None:
+        with anyio.CancelScope() as cancel:
+            task_status.started(cancel)
+            scope = {**http_scope("/slow"), "query_string": b"wait=1"}
+            await app(scope, request_then_disconnect(asyncio.Event()), send)
+        at_return.append(list(events))
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as group:
+            cancel = await group.start(client)
+            release.set()
+            await in_cleanup.wait()
+            cancel.cancel()
+    assert at_return == [["enter", "cleanup done"]]
+
+
 async def test_requests_after_a_lifespan_ended_are_served_as_before_it_began() -> None:
     """One module-level app used with ``with TestClient(app):`` and without: after the
     lifespan's shutdown, requests are answered (their work ends with them), not 503."""
