@@ -52,10 +52,11 @@ field                  written by
                        middleware that sees each moment (DisconnectMiddleware: client
                        disconnect, cancelled, detached, stopped, interrupted;
                        MeteringMiddleware: first event)
-``usage_pending``      MeteringMiddleware, when marks are wanted: a usage record (or
-                       its absence) will be settled for this request
-``usage``              MeteringMiddleware, through :meth:`RequestState.settle_usage`
-``usage_hook``         the observer: called once with the record, or None
+``usage_pending``      MeteringMiddleware, at the request's start
+                       (:meth:`RequestState.expect_usage`): a usage record (or its
+                       absence) will be settled for this request
+``usage``              MeteringMiddleware, through :meth:`RequestState.settle_usage`;
+                       an observer registers for it with :meth:`RequestState.on_usage`
 ``request_model``      the upstream helpers, from the request they send (when marked)
 ``request_body``       the upstream helpers: the body of the first request they send
                        upstream, for metering's input estimate
@@ -334,6 +335,7 @@ class RequestState:
     __slots__ = (
         "_disconnected",
         "_finalizers",
+        "_usage_hooks",
         "app_send",
         "delivered_bytes",
         "delivery",
@@ -357,7 +359,6 @@ class RequestState:
         "upstream_usage",
         "upstreams",
         "usage",
-        "usage_hook",
         "usage_pending",
     )
 
@@ -384,7 +385,7 @@ class RequestState:
         self.marks: list[tuple[str, int]] | None = None
         self.usage: UsageRecord | None = None
         self.usage_pending = False
-        self.usage_hook: Callable[[UsageRecord | None], object] | None = None
+        self._usage_hooks: list[Callable[[UsageRecord | None], object]] | None = None
         self.request_model: str | None = None
         self.request_body: bytes | None = None
         self.upstream_usage: Any = None
@@ -432,6 +433,8 @@ class RequestState:
             generation.reader = None  # its client reads no more
         for callback in callbacks:
             _call(callback)
+        if not self.usage_pending:
+            self._usage_known()  # settled already, or no metering ran the request
 
     def note(self, moment: str) -> None:
         """Mark ``moment`` (``client_disconnect``, ``first_event``, ...) now, if wanted."""
@@ -439,19 +442,43 @@ class RequestState:
         if marks is not None:
             marks.append((moment, time.time_ns()))
 
+    def expect_usage(self) -> None:
+        """Metering runs this request: it will settle its usage record, or its absence."""
+        self.usage_pending = True
+
     def settle_usage(self, record: UsageRecord | None) -> None:
         """Metering is done with this request: ``record`` is its usage record, or None if it
-        gets none. Runs the usage hook once; later calls do nothing."""
+        gets none. Runs the usage hooks once; later calls do nothing."""
         if not self.usage_pending:
             return
         self.usage_pending = False
         self.usage = record
-        hook, self.usage_hook = self.usage_hook, None
-        if hook is not None:
-            try:
-                hook(record)
-            except Exception:
-                logger.exception("a usage hook failed")
+        self._usage_known()
+
+    def _usage_known(self) -> None:
+        hooks, self._usage_hooks = self._usage_hooks, None
+        for hook in hooks or ():
+            _call_with(hook, self.usage)
+
+    @property
+    def usage_settled(self) -> bool:
+        """Once the app was called: whether the request's usage is known (``usage``),
+        settled by metering, or none comes (no metering ran the request, and its exchange
+        is over, or no DisconnectMiddleware ran it)."""
+        return not self.usage_pending and (self.finished or not self.handled)
+
+    def on_usage(self, callback: Callable[[UsageRecord | None], object]) -> None:
+        """Call ``callback`` once with the request's usage record, or None: when metering
+        settles it, or when the exchange ends if no metering runs the request; at once if
+        that happened already. An exception in it is logged, never raised. Asked before the
+        app is called, it waits for one of the two (a request neither DisconnectMiddleware
+        nor metering runs settles nothing: ask :attr:`usage_settled` once the app returned)."""
+        if not self.usage_pending and self.finished:
+            _call_with(callback, self.usage)  # settled, or over without metering
+        elif self._usage_hooks is None:
+            self._usage_hooks = [callback]
+        else:
+            self._usage_hooks.append(callback)
 
     def track(self, upstream: Closable) -> None:
         self.upstreams.append(upstream)
@@ -464,6 +491,15 @@ class RequestState:
                 await upstream.aclose()
             except Exception:
                 logger.warning("closing an upstream response failed", exc_info=True)
+
+
+def _call_with(
+    callback: Callable[[UsageRecord | None], object], record: UsageRecord | None
+) -> None:
+    try:
+        callback(record)
+    except Exception:
+        logger.exception("a usage hook failed")
 
 
 def _call(callback: Callable[[], object]) -> None:

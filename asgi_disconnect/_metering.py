@@ -191,8 +191,8 @@ class MeteringMiddleware:
         state = scope.get("asgi_disconnect")
         if type(state) is not RequestState and not isinstance(state, RequestState):
             state = None
-        elif state.marks is not None:
-            state.usage_pending = True  # an observer waits for this request's record
+        else:
+            state.expect_usage()
         provider_of = self._provider_of
         provider = provider_of(scope) if provider_of is not None else self._provider
         tee = _Tee(scope, provider, time.time(), time.monotonic(), state, self)

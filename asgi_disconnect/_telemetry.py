@@ -34,7 +34,7 @@ from ._lifecycle import lifecycle_of
 from ._version import __version__
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Iterable
 
     from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -291,13 +291,14 @@ class TelemetryMiddleware:
             # The response is over, the work goes on: the continuation span follows it.
             self._continue(span, state, failure, marks, ended, route, name, scope["method"])
             return
-        if not state.usage_pending and (state.finished or not state.handled):
-            # Settled already: over, or answered without DisconnectMiddleware (a replay, a
-            # refusal). Else the record comes later, to the same call.
+        if state.usage_settled:
+            # Over, or answered without DisconnectMiddleware (a replay, a refusal). Else the
+            # record comes later, to the same call.
             self._end_span(span, state, failure, marks, ended, route, name, True, state.usage)
         else:
-            end = partial(self._end_span, span, state, failure, marks, ended, route, name, True)
-            _when_settled(state, end)
+            state.on_usage(
+                partial(self._end_span, span, state, failure, marks, ended, route, name, True)
+            )
 
     def _continue(
         self,
@@ -322,11 +323,10 @@ class TelemetryMiddleware:
             detached_at,
         )
         self._end_span(span, state, failure, marks, ended, route, name, False, None)
-        _when_settled(
-            state,
+        state.on_usage(
             lambda record: self._end_span(
                 continuation, state, None, state.marks or [], None, route, None, True, record
-            ),
+            )
         )
 
     def _count_request(self, route: str, state: RequestState) -> None:
@@ -455,18 +455,6 @@ class TelemetryMiddleware:
 
 _POLICY_NAMES = ("http.route", "asgi_disconnect.policy")
 _IDEMPOTENCY_NAMES = ("http.route", "asgi_disconnect.idempotency.outcome")
-
-
-def _when_settled(state: RequestState, then: Callable[[UsageRecord | None], None]) -> None:
-    """Call ``then`` with the request's usage record once its work is over: now, when
-    metering has settled it or is not there, else when it does."""
-    if state.usage_pending:
-        state.usage_hook = then
-    elif state.finished or not state.handled:
-        # Over, or answered without DisconnectMiddleware (a replay, a refusal).
-        then(state.usage)
-    else:
-        state.on_finished(partial(_when_settled, state, then))
 
 
 def _attributes(

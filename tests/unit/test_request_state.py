@@ -1,0 +1,118 @@
+"""RequestState.on_usage: an observer outside the stack gets each request's usage record
+once, whether metering runs the request or not, and whenever it asks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from asgi_disconnect import (
+    DisconnectMiddleware,
+    MemoryBackend,
+    RequestState,
+    UsageRecord,
+    install,
+)
+from asgi_disconnect.testing import drive, lifespan
+from tests.apps import Probe, as_tester, sse_app
+
+pytestmark = pytest.mark.anyio
+
+
+class Observer:
+    """Outermost, as TelemetryMiddleware is: asks for the record before or after the app."""
+
+    def __init__(self, app: ASGIApp, *, ask: str = "after") -> None:
+        self.app = app
+        self.ask = ask
+        self.records: list[UsageRecord | None] = []
+        self.settled = asyncio.Event()
+
+    def got(self, record: UsageRecord | None) -> None:
+        self.records.append(record)
+        self.settled.set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = RequestState("gen_observed", "tester")
+        scope["asgi_disconnect"] = state
+        if self.ask == "before":
+            state.on_usage(self.got)
+        await self.app(scope, receive, send)
+        if self.ask == "after":
+            state.on_usage(self.got)
+
+
+@pytest.mark.parametrize("ask", ["before", "after"])
+async def test_the_record_metering_settles_reaches_the_observer_once(ask: str) -> None:
+    app = sse_app(Probe(), chunks=3, delay=0)
+    install(app, backend=MemoryBackend(), principal=as_tester)
+    observer = Observer(app, ask=ask)
+    result = await drive(observer, path="/cancel")
+    assert result.complete
+    await asyncio.wait_for(observer.settled.wait(), 5)
+    await asyncio.sleep(0.05)  # nothing more may arrive
+    (record,) = observer.records
+    assert record is not None
+    assert record.generation_id == "gen_observed"
+    assert record.outcome == "truncated"  # sse_app's stream has no terminal marker
+    assert record.delivered_bytes == len(result.body)
+
+
+async def test_without_metering_the_observer_hears_none_when_the_exchange_ends() -> None:
+    mw = DisconnectMiddleware(sse_app(Probe(), chunks=3, delay=0), backend=MemoryBackend())
+    observer = Observer(mw, ask="before")
+    result = await drive(observer, path="/cancel")
+    assert result.complete
+    await asyncio.wait_for(observer.settled.wait(), 5)
+    assert observer.records == [None]
+
+
+async def test_detached_work_settles_its_record_when_it_ends_under_a_disconnect() -> None:
+    probe = Probe()
+    app = sse_app(probe, chunks=20, delay=0.01)
+    install(app, backend=MemoryBackend(), principal=as_tester)
+    observer = Observer(app)
+    async with lifespan(app):
+        result = await drive(observer, path="/detach", disconnect_after_bytes=30)
+        assert result.disconnected
+        assert observer.records == []  # the work goes on: its record is not known yet
+        await asyncio.wait_for(observer.settled.wait(), 5)
+    assert probe.finished.is_set()
+    (record,) = observer.records
+    assert record is not None
+    assert record.policy == "detach"
+    assert record.detached is True
+
+
+async def test_a_hook_that_raises_is_logged_and_the_others_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = sse_app(Probe(), chunks=2, delay=0)
+    install(app, backend=MemoryBackend(), principal=as_tester)
+    heard: list[Any] = []
+
+    def broken(record: UsageRecord | None) -> None:
+        raise RuntimeError("observer bug")
+
+    async def outer(scope: Scope, receive: Receive, send: Send) -> None:
+        state = RequestState("gen_hooks", "tester")
+        scope["asgi_disconnect"] = state
+        state.on_usage(broken)
+        state.on_usage(heard.append)
+        await app(scope, receive, send)
+
+    with caplog.at_level(logging.ERROR, logger="asgi_disconnect"):
+        result = await drive(outer, path="/cancel")
+        for _ in range(100):
+            if heard:
+                break
+            await asyncio.sleep(0.01)
+    assert result.status == 200
+    assert len(heard) == 1
+    assert heard[0] is not None
+    assert heard[0].generation_id == "gen_hooks"
+    assert "a usage hook failed" in caplog.text
