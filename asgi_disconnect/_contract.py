@@ -433,7 +433,7 @@ class RequestState:
             generation.reader = None  # its client reads no more
         for callback in callbacks:
             _call(callback)
-        if not self.usage_pending:
+        if self._usage_hooks is not None and not self.usage_pending:
             self._usage_known()  # settled already, or no metering ran the request
 
     def note(self, moment: str) -> None:
@@ -453,7 +453,8 @@ class RequestState:
             return
         self.usage_pending = False
         self.usage = record
-        self._usage_known()
+        if self._usage_hooks is not None:
+            self._usage_known()
 
     def _usage_known(self) -> None:
         hooks, self._usage_hooks = self._usage_hooks, None
