@@ -544,7 +544,7 @@ class _Exchange:
 
     __slots__ = (
         "app_error",
-        "app_scope",
+        "app_run",
         "app_task",
         "mw",
         "out",
@@ -572,9 +572,7 @@ class _Exchange:
         self.out = Outbound(mw, self, scope, send, state, reader)
         self.request_task: asyncio.Task[Any] | None = None
         self.app_task: asyncio.Task[None] | None = None
-        # Around the app in its task: a cancellation of the request from outside reaches
-        # the app through it, as it would reach the app bare (anyio's shields hold).
-        self.app_scope: anyio.CancelScope | None = None
+        self.app_run: _AppRun | None = None  # the app in a task of its own (supervised)
         self.app_error: BaseException | None = None
         # How the app ended, and what that makes of its generation.
         self.outcome = Outcome(self.out, state, mw.counters)
@@ -712,7 +710,8 @@ class _Exchange:
         self.request_task = reader.task = asyncio.current_task()
         if _has_body(self.scope):
             reader.hold_body()
-        app_task = self.app_task = mw.supervisor.spawn(self.run_app())
+        self.app_run = _AppRun(self)
+        app_task = self.app_task = mw.supervisor.spawn(self.app_run.run())
         # A drain reaches it before its response starts too (then it answers 503).
         mw._running[self.state.generation_id] = self
         app_task.add_done_callback(self.part_done)
@@ -778,10 +777,10 @@ class _Exchange:
                 return
             self.move(_CANCELLING)
         # Not detached: stop the app and let its finally blocks run before we return.
-        if by_scope and self.app_scope is not None:
+        if by_scope and self.app_run is not None:
             # As bare, the app's awaits are cancelled until it returns, but for the ones
             # under a shield of its own (a dependency's cleanup, say).
-            self.app_scope.cancel()
+            self.app_run.scope.cancel()
         else:
             app_task.cancel()  # once, as the server cancelled the request
         await _teardown(app_task)
@@ -924,37 +923,46 @@ class _Exchange:
             generation.policy = policy.value
             generation.detached = True
 
-    # -- the app task ---------------------------------------------------------------
 
-    async def run_app(self) -> None:
-        state = self.state
+class _AppRun:
+    """The app in a task of its own (supervised), inside a cancel scope of its own: a
+    cancellation of the request by an anyio cancel scope reaches the app through it, as it
+    would reach the app bare (the app's shields hold); every other cancellation is one
+    ``Task.cancel()``, as a server's. How the app ended goes to the exchange's Outcome."""
+
+    __slots__ = ("exchange", "scope")
+
+    def __init__(self, exchange: _Exchange) -> None:
+        self.exchange = exchange
+        self.scope = anyio.CancelScope()
+
+    async def run(self) -> None:
+        exchange = self.exchange
+        state, outcome = exchange.state, exchange.outcome
         current_state.set(state)
-        send = state.app_send = self.out.app_send
-        app_scope = self.app_scope = anyio.CancelScope()
+        send = state.app_send = exchange.out.app_send
         try:
-            with app_scope:
-                await self.mw.app(self.scope, self.reader.take, send)
+            with self.scope:
+                await exchange.mw.app(exchange.scope, exchange.reader.take, send)
         except asyncio.CancelledError as exc:
-            self.outcome.app_ended(exc)
+            outcome.app_ended(exc)
             task = asyncio.current_task()
-            if task is not None and not task.cancelling() and not self.state.detached:
+            if task is not None and not task.cancelling() and not state.detached:
                 # Nobody cancelled it: the app raised it itself. The server hears of it in
                 # the request's task, as without this middleware.
-                self.app_error = exc
+                exchange.app_error = exc
                 return
             raise
         except BaseException as exc:
-            self.outcome.app_ended(exc)
-            if self.state.detached:
-                logger.error(
-                    "detached generation %s failed", self.state.generation_id, exc_info=exc
-                )
+            outcome.app_ended(exc)
+            if state.detached:
+                logger.error("detached generation %s failed", state.generation_id, exc_info=exc)
             else:
-                self.app_error = exc
+                exchange.app_error = exc
         else:
-            if app_scope.cancelled_caught:
-                # Its request's cancel scope was cancelled (above): it ends cancelled, as bare.
+            if self.scope.cancelled_caught:
+                # Its request's cancel scope was cancelled: it ends cancelled, as bare.
                 cancelled = asyncio.CancelledError()
-                self.outcome.app_ended(cancelled)
+                outcome.app_ended(cancelled)
                 raise cancelled
-            self.outcome.app_ended(None)
+            outcome.app_ended(None)

@@ -68,7 +68,7 @@ class RunningServer:
 
     async def tasks(self) -> list[str]:
         """The tasks alive on the server's event loop, sorted, each named by its coroutine's
-        module and qualified name (``"asgi_disconnect._disconnect._Exchange.run_app"``).
+        module and qualified name (``"asgi_disconnect._disconnect._AppRun.run"``).
 
         A request that left a task behind shows here after its connection closed. Only for
         servers running in this process.
