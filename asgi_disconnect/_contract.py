@@ -44,9 +44,10 @@ field                  written by
 ``upstreams``          the upstream helpers (``asgi_disconnect.upstream``)
 ``app_send``           DisconnectMiddleware, before the app runs: the send it gives
                        the app
-``observe``            MeteringMiddleware, when the send it was given is ``app_send``
-                       (nothing in between): called with each message the app sends,
-                       before DisconnectMiddleware handles it, instead of a wrapped send
+``message_hook``       MeteringMiddleware, through :meth:`RequestState.on_message` when
+                       the send it was given is ``app_send`` (nothing in between): it
+                       sees each message the app sends, before DisconnectMiddleware
+                       handles it, instead of a wrapped send
 ``marks``              an observer (TelemetryMiddleware) that wants the moments of the
                        exchange, at the start; then :meth:`RequestState.note` by the
                        middleware that sees each moment (DisconnectMiddleware: client
@@ -348,7 +349,7 @@ class RequestState:
         "idempotency",
         "log_store",
         "marks",
-        "observe",
+        "message_hook",
         "policy",
         "principal",
         "provider_name",
@@ -380,7 +381,8 @@ class RequestState:
         self.upstreams: list[Closable] = []
         self._finalizers: list[Callable[[], object]] | None = []
         self.app_send: Callable[[Any], Awaitable[None]] | None = None
-        self.observe: Callable[[Any], bool | None] | None = None
+        # Set through on_message: the hook that sees each message the app sends.
+        self.message_hook: Callable[[Any], bool | None] | None = None
         # None unless an observer wants them: (moment, Unix time in ns), in order.
         self.marks: list[tuple[str, int]] | None = None
         self.usage: UsageRecord | None = None
@@ -427,7 +429,7 @@ class RequestState:
         self.ending = ending
         # No reference cycle outlives the request (the garbage collector would have to find
         # it): the generation's reader, DisconnectMiddleware's send, metering's observer.
-        self.app_send = self.observe = None
+        self.app_send = self.message_hook = None
         generation = self.generation
         if generation is not None:
             generation.reader = None  # its client reads no more
@@ -441,6 +443,21 @@ class RequestState:
         marks = self.marks
         if marks is not None:
             marks.append((moment, time.time_ns()))
+
+    def on_message(self, send: Any, hook: Callable[[Any], bool | None]) -> bool:
+        """Have ``hook`` see each message the app sends, where DisconnectMiddleware handles
+        it, instead of a send wrapped around ``send``: only if ``send`` is the one
+        DisconnectMiddleware gives the app (nothing in between changes the messages). True
+        if it will. ``hook`` answers True once it needs no more of them."""
+        if send is None or send is not self.app_send:
+            return False
+        self.message_hook = hook
+        return True
+
+    def off_message(self, hook: Callable[[Any], bool | None]) -> None:
+        """``hook`` needs no more messages (a response its middleware does not read)."""
+        if self.message_hook == hook:
+            self.message_hook = None
 
     def expect_usage(self) -> None:
         """Metering runs this request: it will settle its usage record, or its absence."""

@@ -203,10 +203,9 @@ class MeteringMiddleware:
             except Exception:
                 logger.exception("reserve() failed; the request runs without a reservation")
 
-        if state is not None and send is state.app_send:
+        if state is not None and state.on_message(send, tee.observe):
             # DisconnectMiddleware is right outside: it shows us each message the app
             # sends, so the app gets its send as it is, not one more coroutine per chunk.
-            state.observe = tee.observe
             tee.direct = True
             app_send = send
         else:
@@ -725,8 +724,8 @@ class _Tee:
     def _step_aside(self) -> None:
         """No record for this response: stop observing it."""
         state = self.state
-        if state is not None and state.observe == self.observe:
-            state.observe = None
+        if state is not None:
+            state.off_message(self.observe)
 
     def wanted(self, report: Any) -> bool:
         """Whether this request gets a usage record (see :func:`metered`)."""

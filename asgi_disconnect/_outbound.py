@@ -263,7 +263,7 @@ class Outbound:
         self.body_ended = False
         self.expect_trailers = False
         self.trailers_ended = False  # a trailers message without more_trailers went
-        # Metering's observer (RequestState.observe), taken at the response start.
+        # Metering's hook (RequestState.on_message), taken at the response start.
         self.observe: Callable[[Message], bool | None] | None = None
         self.keep_alive: KeepAlive | None = None  # an event stream's, while it runs
         # The connection's transport, watched from the first body message (see _transport).
@@ -382,11 +382,11 @@ class Outbound:
         reader = self.reader
         if reader.gate is not None:
             reader.open_gate()  # the body is not asked for now: watch for the client
-        observe = self.state.observe
+        observe = self.state.message_hook
         if observe is not None:
             observe(message)
             # It may step aside now: a response it does not meter.
-            self.observe = self.state.observe
+            self.observe = self.state.message_hook
         if self.generation is not None or self.held is not None or self.passthrough:
             raise RuntimeError("ASGI message 'http.response.start' sent twice")
         if message.get("trailers"):
