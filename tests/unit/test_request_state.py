@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from asgi_disconnect import (
     DisconnectMiddleware,
     MemoryBackend,
+    MeteringMiddleware,
     RequestState,
     UsageRecord,
     install,
@@ -116,3 +117,61 @@ async def test_a_hook_that_raises_is_logged_and_the_others_still_run(
     assert heard[0] is not None
     assert heard[0].generation_id == "gen_hooks"
     assert "a usage hook failed" in caplog.text
+
+
+class Between:
+    """A middleware between DisconnectMiddleware and metering that changes the messages."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def marked(message: Any) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                message = {**message, "body": message["body"].upper()}
+            await send(message)
+
+        await self.app(scope, receive, marked)
+
+
+@pytest.mark.parametrize("between", [False, True], ids=["direct", "wrapped"])
+async def test_metering_hooks_in_only_where_nothing_changes_the_messages(between: bool) -> None:
+    records: list[UsageRecord] = []
+    hooked: list[bool] = []
+    metering = MeteringMiddleware(sse_app(Probe(), chunks=3, delay=0), sinks=[records.append])
+
+    async def watch(scope: Scope, receive: Receive, send: Send) -> None:
+        await metering(scope, receive, send)
+        hooked.append(scope["asgi_disconnect"].message_hook is not None)
+
+    inner: ASGIApp = Between(watch) if between else watch
+    mw = DisconnectMiddleware(inner, backend=MemoryBackend(), principal=as_tester)
+    result = await drive(mw, path="/cancel")
+    assert result.complete
+    for _ in range(100):
+        if records:
+            break
+        await asyncio.sleep(0.01)
+    (record,) = records
+    # Wrapped, metering sees what the app sent; DisconnectMiddleware logs what reached it.
+    assert record.produced_bytes == len(result.body)
+    assert (result.body.upper() == result.body) is between
+    assert hooked == [not between]  # a hook where nothing sits between, else a wrapped send
+
+
+def test_a_send_that_is_not_the_apps_gets_no_hook() -> None:
+    state = RequestState("gen_x", "tester")
+
+    async def app_send(message: Any) -> None:
+        pass
+
+    async def other(message: Any) -> None:
+        pass
+
+    state.app_send = app_send
+    assert state.on_message(other, print) is False
+    assert state.message_hook is None
+    assert state.on_message(app_send, print) is True
+    assert state.message_hook is print
+    state.off_message(print)
+    assert state.message_hook is None
