@@ -833,8 +833,9 @@ class _Exchange:
         if policy is Policy.DETACH:
             self._detach(policy)
             if runner is not self.app_task:
-                # Predicted cancel-only, yet it detached: it stays tied to this request.
-                mw._cancel_only[(self.scope["method"], self.scope["path"])] = False
+                # Predicted cancel-only, yet it detached: it stays tied to this request, and
+                # its path is learned again (a route that detaches runs supervised).
+                mw.learn_route(self.scope)
             elif not mw.owns_detached():
                 # Without the lifespan protocol nothing but this request owns the work.
                 self.outcome.interrupt_reason = _NO_LIFESPAN
