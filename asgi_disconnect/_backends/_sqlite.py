@@ -241,7 +241,11 @@ class SQLiteStore:
             # 256 KiB page cache, not the default 2 MiB, which the process would hold.
             db.execute("pragma cache_size = -256")
             if self.init is not None:
-                self.init(db)
+                try:
+                    self.init(db)
+                except Exception as exc:
+                    why = f"init= raised {exc!r}"
+                    raise BackendUnavailable(f"cannot open {self.url}: {why}") from exc
             db.execute("begin immediate")
             for statement in _SCHEMA.split(";"):
                 if statement.strip():

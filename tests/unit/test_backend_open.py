@@ -257,6 +257,23 @@ async def test_sqlite_init_is_given_the_connection_before_the_schema(sqlite_url:
         await backend.aclose()
 
 
+async def test_an_init_that_raises_fails_the_open_with_its_reason(sqlite_url: str) -> None:
+    def broken(db: sqlite3.Connection) -> None:
+        db.execute("pragma no_such_thing_is_fine")
+        raise RuntimeError("my pragma went wrong")
+
+    backend = connect(sqlite_url, init=broken)
+    with pytest.raises(BackendUnavailable, match=r"init= raised RuntimeError\('my pragma"):
+        await backend.open()
+    # Nothing was left open or half made: the same file opens with a working init.
+    again = connect(sqlite_url, init=lambda db: db.execute("pragma cache_size = -512"))
+    await again.open()
+    try:
+        assert await again.get("gen_" + "N" * 24) is None
+    finally:
+        await again.aclose()
+
+
 @pytest.mark.parametrize("url", ["memory://", "postgresql://u@h/db"])
 def test_init_is_for_sqlite(url: str) -> None:
     with pytest.raises(ValueError, match=r"init= is for SQLite URLs.*pool= an asyncpg pool"):
