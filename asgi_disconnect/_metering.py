@@ -196,10 +196,9 @@ class MeteringMiddleware:
         provider_of = self._provider_of
         provider = provider_of(scope) if provider_of is not None else self._provider
         tee = _Tee(scope, provider, time.time(), time.monotonic(), state, self)
-        reservation: Any = None
         if self.reservations is not None:
             try:
-                reservation = tee.reservation = await self.reservations.reserve(scope)
+                tee.reservation = await self.reservations.reserve(scope)
             except Exception:
                 logger.exception("reserve() failed; the request runs without a reservation")
 
@@ -227,13 +226,13 @@ class MeteringMiddleware:
                 # The exchange may still be delivering: record when it is over.
                 state.on_finished(tee.over)
             else:
-                await shielded(self._emit(scope, tee, None, reservation))
+                await shielded(self._emit(tee))
 
     def _finished(self, tee: _Tee, state: RequestState) -> None:
         """The exchange is over: emit its record now when nothing in it waits (no
         reservation to settle, a short text to count, sinks that return nothing), else
         queue the emission for the one emitter task."""
-        scope, reservation = tee.scope, tee.reservation
+        scope = tee.scope
         meter = tee.meter
         # At most how many characters of text the report holds: counted off the loop above
         # _OFF_LOOP_TEXT (unless the count is the default's, a division).
@@ -241,7 +240,7 @@ class MeteringMiddleware:
             self.reservations is not None
             or (meter.text_chars if meter is not None else tee.produced) > _OFF_LOOP_TEXT
         ):
-            self._queue(self._emit(scope, tee, state, reservation))
+            self._queue(self._emit(tee))
             return
         if tee.direct and state.generation is None and tee.mark is None and tee.status_code:
             # DisconnectMiddleware found no LLM exchange in the response (by the rule that
@@ -257,11 +256,11 @@ class MeteringMiddleware:
                 return
             if tee.log is not None and self._wants_text(tee, report, state.delivered_bytes):
                 if not tee.whole_in_memory():
-                    self._queue(self._emit(scope, tee, state, reservation))
+                    self._queue(self._emit(tee))
                     return
                 report = _read_log(tee, state.delivered_bytes, report)
                 if self.tokenizer is not estimate_tokens and len(report.text) > _OFF_LOOP_TEXT:
-                    self._queue(self._emit(scope, tee, state, reservation, report))
+                    self._queue(self._emit(tee, report))
                     return
             record = self._build(scope, tee, state, report, None)
         except Exception:
@@ -318,14 +317,8 @@ class MeteringMiddleware:
         lifecycle.register("MeteringMiddleware", unique=True, flush=self.drain)
         await lifecycle.run(owner, self.app, scope, receive, send)
 
-    async def _emit(
-        self,
-        scope: Scope,
-        tee: _Tee,
-        state: RequestState | None,
-        reservation: Any,
-        report: Any = None,
-    ) -> None:
+    async def _emit(self, tee: _Tee, report: Any = None) -> None:
+        scope, state, reservation = tee.scope, tee.state, tee.reservation
         try:
             if report is None:
                 report = tee.report()
