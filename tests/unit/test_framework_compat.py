@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from asgi_disconnect import BackendUnavailable, MemoryBackend, install
+from asgi_disconnect import BackendUnavailable, MemoryBackend, install, metered
 from asgi_disconnect.testing import drive, lifespan
 from tests.apps import Probe, http_scope, request_then_disconnect, sse_app
 
@@ -134,6 +134,7 @@ async def test_a_cancel_scope_cancelled_during_the_apps_shielded_cleanup_waits_f
     events: list[str] = []
     release, in_cleanup = anyio.Event(), anyio.Event()
 
+    @metered()  # an LLM exchange: it is a generation, and gets a usage record
     async def slow(request: Request) -> JSONResponse:
         events.append("enter")
         try:
@@ -147,12 +148,14 @@ async def test_a_cancel_scope_cancelled_during_the_apps_shielded_cleanup_waits_f
         return JSONResponse({})
 
     app = Starlette(routes=[Route("/slow", slow)])
+    backend = MemoryBackend()
     if installed:
-        install(app, backend=MemoryBackend(), idempotency=True, drain=True)
+        install(app, backend=backend, idempotency=True, drain=True)
     if warm:
         assert (await drive(app, path="/slow")).status == 200
         events.clear()
         in_cleanup = anyio.Event()
+        backend.usage.clear()
     at_return: list[list[str]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -172,6 +175,21 @@ async def test_a_cancel_scope_cancelled_during_the_apps_shielded_cleanup_waits_f
             await in_cleanup.wait()
             cancel.cancel()
     assert at_return == [["enter", "cleanup done"]]
+    if installed:
+        # One usage record, and no stored response that claims a whole answer it did not send.
+        for _ in range(100):
+            if backend.usage:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        (record,) = backend.usage
+        info = await backend.get(record.generation_id)
+        assert info is not None
+        # The app finished its answer (its cleanup ran, then it returned): the generation
+        # and its record say complete; what reached the client is counted apart.
+        assert record.outcome == info.status.value == "complete"
+        assert record.produced_bytes == 2
+        assert record.delivered_bytes <= record.produced_bytes
 
 
 async def test_requests_after_a_lifespan_ended_are_served_as_before_it_began() -> None:
