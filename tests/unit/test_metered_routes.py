@@ -207,21 +207,29 @@ async def test_what_a_request_creates_is_counted() -> None:
 
 async def garbage_per_request(app: Starlette, path: str, requests: int) -> float:
     """Objects the cyclic garbage collector has to find per request: what reference
-    counting could not free (each costs the collector's time, on every request)."""
+    counting could not free (each costs the collector's time, on every request).
+
+    The collector sees the whole process: a thread an earlier test left winding down can
+    leave a cycle of its own in a window. A cycle per request is in every window, so the
+    fewest of three windows is the request's."""
     import gc
 
     for _ in range(5):
         await drive(app, path=path)
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(requests):
-            await drive(app, path=path)
-        await settle()
-        found = gc.collect()
-    finally:
-        gc.enable()
-    return found / requests
+    windows = []
+    for _ in range(3):
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(requests):
+                await drive(app, path=path)
+            await settle()
+            windows.append(gc.collect())
+        finally:
+            gc.enable()
+        if windows[-1] == 0:
+            break
+    return min(windows) / requests
 
 
 async def test_a_request_leaves_no_cycles_for_the_collector() -> None:
