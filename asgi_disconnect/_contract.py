@@ -4,10 +4,12 @@ Every middleware of the package reads and hooks a request only through what is h
 
 - :class:`RequestState` at ``scope["asgi_disconnect"]``: created once per request by the
   outermost of the package's middlewares (:func:`request_state`), with the caller's
-  principal resolved once; the generation id; the policy and whether the work detached;
-  produced and delivered bytes; :attr:`RequestState.ending`, how the exchange ended;
-- :meth:`RequestState.on_finished`: the hook that runs once the exchange is over (the app
-  returned and nothing more will be delivered; for detached work, when it ended);
+  principal resolved once; the generation id; the policy;
+- :class:`Outcome`: how the exchange went (whether the work detached, produced and
+  delivered bytes, how it ended), the one thing the other middlewares read of what
+  DisconnectMiddleware writes: so far with :meth:`RequestState.progress`, and once, frozen,
+  through :meth:`RequestState.on_end` when the exchange is over (the app returned and
+  nothing more will be delivered; for detached work, when it ended);
 - the stores, split by what their callers need: :class:`GenerationLog` (and its read half,
   :class:`GenerationReader`), :class:`ClaimStore`, :class:`UsageStore`, :class:`PinStore`;
   :class:`Backend` is all of them, the one object that serves every store;
@@ -90,6 +92,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import msgspec
+
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 
@@ -110,6 +114,7 @@ __all__ = [
     "GenerationReader",
     "LiveLog",
     "LogStore",
+    "Outcome",
     "PinStore",
     "Policy",
     "Principal",
@@ -227,6 +232,32 @@ class Policy(enum.StrEnum):
 
     DETACH = "detach"
     """Keep generating, owned by the process; the output stays resumable by id."""
+
+
+class Outcome(msgspec.Struct, frozen=True, gc=False):
+    """How one exchange went, frozen: published once when it ends
+    (:attr:`RequestState.outcome`, :meth:`RequestState.on_end`), or read so far
+    (:meth:`RequestState.progress`, whose ``ending`` is None)."""
+
+    ending: Ending | None
+    """How the exchange ended; None while it goes on."""
+    detached: bool
+    """The policy detached the work when its client left."""
+    delivered_bytes: int
+    """What reached the client: what its TCP acknowledged where the kernel tells
+    (``delivery == "acked"``), else what was handed to the server (``"sent"``)."""
+    delivery: str
+    produced_bytes: int
+    """What the app produced of its generation's body (0 with no generation)."""
+    disconnect_reason: str | None
+    """``client`` (the server said it left), ``lag`` (no progress for
+    ``max_lag_seconds``), ``silent`` (its TCP acknowledged nothing for
+    ``client_timeout``); None if it stayed."""
+    status: int | None
+    """The response's status: its generation's, or the one a middleware answered with."""
+    idempotency: str | None
+    """How IdempotencyMiddleware handled the request's key (``fresh``, ``replayed``, ...;
+    see :attr:`RequestState.idempotency`); None without one."""
 
 
 class Closable(Protocol):
@@ -350,6 +381,7 @@ class RequestState:
         "log_store",
         "marks",
         "message_hook",
+        "outcome",
         "policy",
         "principal",
         "provider_name",
@@ -379,7 +411,9 @@ class RequestState:
         # Set by a DisconnectMiddleware that runs this request, so a second one refuses it.
         self.handled = False
         self.upstreams: list[Closable] = []
-        self._finalizers: list[Callable[[], object]] | None = []
+        self._finalizers: list[Callable[[Outcome], object]] | None = []
+        # Published once, when the exchange ends (``finish``).
+        self.outcome: Outcome | None = None
         self.app_send: Callable[[Any], Awaitable[None]] | None = None
         # Set through on_message: the hook that sees each message the app sends.
         self.message_hook: Callable[[Any], bool | None] | None = None
@@ -413,28 +447,60 @@ class RequestState:
         """True once the exchange is over: the app returned and nothing more is delivered."""
         return self._finalizers is None
 
-    def on_finished(self, callback: Callable[[], object]) -> None:
-        """Call ``callback`` once the exchange is over (at once if it already is)."""
+    def progress(self) -> Outcome:
+        """How the exchange goes so far (``ending`` None until it ends): what a middleware
+        reads of it before :meth:`on_end`, never the fields DisconnectMiddleware writes."""
+        outcome = self.outcome
+        if outcome is not None:
+            return outcome
+        generation = self.generation
+        return Outcome(
+            None,
+            self.detached,
+            self.delivered_bytes,
+            self.delivery,
+            0 if generation is None else generation.size,
+            self.disconnect_reason,
+            self.response_status if generation is None else generation.status_code,
+            self.idempotency,
+        )
+
+    def on_end(self, callback: Callable[[Outcome], object]) -> None:
+        """Call ``callback`` with the :class:`Outcome` once the exchange is over (the app
+        returned and nothing more will be delivered; for detached work, when it ended), at
+        once if it already is. An exception in it is logged, never raised."""
         if self._finalizers is None:
-            _call(callback)
+            assert self.outcome is not None
+            _call(callback, self.outcome)
         else:
             self._finalizers.append(callback)
 
     def finish(self, ending: Ending) -> None:
-        """End the exchange: record how, then run the hooks; later calls do nothing."""
+        """End the exchange: publish its outcome, then run the hooks; later calls do
+        nothing. Called by DisconnectMiddleware alone."""
         callbacks = self._finalizers
         if callbacks is None:
             return
         self._finalizers = None
         self.ending = ending
+        generation = self.generation
+        outcome = self.outcome = Outcome(
+            ending,
+            self.detached,
+            self.delivered_bytes,
+            self.delivery,
+            0 if generation is None else generation.size,
+            self.disconnect_reason,
+            self.response_status if generation is None else generation.status_code,
+            self.idempotency,
+        )
         # No reference cycle outlives the request (the garbage collector would have to find
         # it): the generation's reader, DisconnectMiddleware's send, metering's observer.
         self.app_send = self.message_hook = None
-        generation = self.generation
         if generation is not None:
             generation.reader = None  # its client reads no more
         for callback in callbacks:
-            _call(callback)
+            _call(callback, outcome)
         if self._usage_hooks is not None and not self.usage_pending:
             self._usage_known()  # settled already, or no metering ran the request
 
@@ -520,9 +586,9 @@ def _call_with(
         logger.exception("a usage hook failed")
 
 
-def _call(callback: Callable[[], object]) -> None:
+def _call(callback: Callable[[Outcome], object], outcome: Outcome) -> None:
     try:
-        callback()
+        callback(outcome)
     except Exception:
         logger.exception("a callback at the end of a request failed")
 

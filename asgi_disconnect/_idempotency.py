@@ -21,6 +21,7 @@ from ._aio import shielded
 from ._contract import (
     SCOPE_KEY,
     GenerationReader,
+    Outcome,
     RequestState,
     default_principal,
     request_state,
@@ -745,13 +746,13 @@ class _ClaimedRequest:
             ttl = self.route_ttl()
             if self.settled:
                 heartbeat.cancel()
-            elif isinstance(state, RequestState) and state.detached and not failure:
+            elif isinstance(state, RequestState) and state.progress().detached and not failure:
                 # The generation outlives this request: store it once it has ended.
-                def finished() -> None:
+                def ended(outcome: Outcome) -> None:
                     heartbeat.cancel()
                     middleware.pending_settles.start(self.detached_ending(state, ttl))
 
-                state.on_finished(finished)
+                state.on_end(ended)
             else:
                 heartbeat.cancel()
                 # The response never reached its end (the client left, the app failed or

@@ -18,6 +18,7 @@ from ._adapters import FORMATS
 from ._aio import shielded
 from ._contract import (
     METERED_ATTRIBUTE,
+    Outcome,
     RequestState,
     Reservations,
     UsageSink,
@@ -224,7 +225,7 @@ class MeteringMiddleware:
             tee.ended = time.monotonic()
             if state is not None:
                 # The exchange may still be delivering: record when it is over.
-                state.on_finished(tee.over)
+                state.on_end(tee.over)
             else:
                 await shielded(self._emit(tee))
 
@@ -254,11 +255,11 @@ class MeteringMiddleware:
                 if state.usage_pending:
                     state.settle_usage(None)
                 return
-            if tee.log is not None and self._wants_text(tee, report, state.delivered_bytes):
+            if tee.log is not None and self._wants_text(tee, report, tee.delivered):
                 if not tee.whole_in_memory():
                     self._queue(self._emit(tee))
                     return
-                report = _read_log(tee, state.delivered_bytes, report)
+                report = _read_log(tee, tee.delivered, report)
                 if self.tokenizer is not estimate_tokens and len(report.text) > _OFF_LOOP_TEXT:
                     self._queue(self._emit(tee, report))
                     return
@@ -326,7 +327,7 @@ class MeteringMiddleware:
                     if state is not None:
                         state.settle_usage(None)
                     return
-                if state is not None and self._wants_text(tee, report, state.delivered_bytes):
+                if state is not None and self._wants_text(tee, report, tee.delivered):
                     report = await _read_stored(tee, state, report)
             record = await self._record(scope, tee, state, report)
         except Exception:
@@ -434,7 +435,7 @@ class MeteringMiddleware:
     ) -> UsageRecord:
         """The record; ``estimate``: the output tokens counted already (off the loop)."""
         produced = tee.produced
-        delivered = state.delivered_bytes if state is not None else produced
+        delivered = tee.delivered
         if delivered > produced:
             delivered = produced
         outcome, error_type = _outcome(tee, state, report)
@@ -501,7 +502,7 @@ class MeteringMiddleware:
             None,
             None,
             "none",
-            min(state.delivered_bytes if state else tee.produced, tee.produced),
+            min(tee.delivered, tee.produced),
             None,
             None,
             type(failure).__name__ if failure is not None else None,
@@ -528,6 +529,7 @@ class _Tee:
         "mark",
         "meter",
         "metering",
+        "outcome",
         "produced",
         "provider",
         "recognized",
@@ -552,6 +554,7 @@ class _Tee:
         self.scope = scope
         self.metering = metering
         self.reservation: Any = None
+        self.outcome: Outcome | None = None  # DisconnectMiddleware's, when the exchange ends
         self.mark: str | bool | None = None  # what @metered says, read at the start
         self.recognized = False  # a JSON body of an LLM API (see ``report``)
         self.provider = provider
@@ -599,11 +602,19 @@ class _Tee:
             self._start(message)
         return None
 
-    def over(self) -> None:
-        """The exchange is over (:meth:`RequestState.on_finished`): the record is made."""
+    def over(self, outcome: Outcome) -> None:
+        """The exchange is over (:meth:`RequestState.on_end`): the record is made."""
         state = self.state
         assert state is not None
+        self.outcome = outcome
         self.metering._finished(self, state)
+
+    @property
+    def delivered(self) -> int:
+        """What reached the client, as the exchange's outcome says (all that was produced
+        when no DisconnectMiddleware ran the request)."""
+        outcome = self.outcome
+        return self.produced if outcome is None else outcome.delivered_bytes
 
     def _first_event(self) -> None:
         self.first_event = time.monotonic() - self.started
@@ -891,9 +902,9 @@ async def _read_stored(tee: _Tee, state: RequestState, light: Any) -> Any:
     """The whole stream's report, read from the log and the store that has what it let go;
     ``light`` (what its first events and its end said) if the store cannot give it."""
     if tee.whole_in_memory():
-        return _read_log(tee, state.delivered_bytes, light)
+        return _read_log(tee, tee.delivered, light)
     store = state.log_store
-    reader = tee.whole_reader(state.delivered_bytes, light)
+    reader = tee.whole_reader(tee.delivered, light)
     try:
         async with asyncio.timeout(_STORED_READ_TIMEOUT):
             if store is not None:
@@ -1221,7 +1232,10 @@ def _record(
     if state is not None:
         generation_id, principal = state.generation_id, state.principal
         policy = state.policy.value if state.policy is not None else None
-        detached, delivery = state.detached, state.delivery
+        ended = tee.outcome
+        detached, delivery = (
+            (ended.detached, ended.delivery) if ended is not None else (False, "sent")
+        )
     else:
         generation_id = principal = policy = None
         detached, delivery = False, "sent"

@@ -29,7 +29,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from ._contract import Principal, RequestState, default_principal, request_state
+from ._contract import Outcome, Principal, RequestState, default_principal, request_state
 from ._lifecycle import lifecycle_of
 from ._version import __version__
 
@@ -283,10 +283,15 @@ class TelemetryMiddleware:
         # Named before routing: now the route is known.
         name = f"{scope['method']} {route}" if route else None
         marks = state.marks or []
-        detached = state.detached and not state.finished
+        progress = state.progress()
+        detached = progress.detached and progress.ending is None
         state.marks = [] if detached else None
-        if state.disconnect_reason is not None or state.detached or state.idempotency is not None:
-            self._count_request(route, state)
+        if (
+            progress.disconnect_reason is not None
+            or progress.detached
+            or progress.idempotency is not None
+        ):
+            self._count_request(route, state, progress)
         if detached:
             # The response is over, the work goes on: the continuation span follows it.
             self._continue(span, state, failure, marks, ended, route, name, scope["method"])
@@ -329,14 +334,14 @@ class TelemetryMiddleware:
             )
         )
 
-    def _count_request(self, route: str, state: RequestState) -> None:
+    def _count_request(self, route: str, state: RequestState, progress: Outcome) -> None:
         policy = str(state.policy) if state.policy is not None else ""
         counts = self.counts
-        if state.disconnect_reason is not None:
+        if progress.disconnect_reason is not None:
             counts["asgi_disconnect.requests.disconnected"].add(1, _POLICY_NAMES, (route, policy))
-        if state.detached:
+        if progress.detached:
             counts["asgi_disconnect.generations.detached"].add(1, _POLICY_NAMES, (route, policy))
-        outcome = state.idempotency
+        outcome = progress.idempotency
         if outcome is not None:
             counts["asgi_disconnect.idempotency.requests"].add(
                 1, _IDEMPOTENCY_NAMES, (route, outcome)
@@ -360,13 +365,16 @@ class TelemetryMiddleware:
         if failure is not None and isinstance(failure, asyncio.CancelledError):
             failure = None  # a cancel is no error of the request's
         generation = state.generation
+        progress = state.progress()
         # The generation's status is told once its work is over.
         generation_status = str(generation.status) if last and generation is not None else None
         error_type = _error_type(failure, record, generation_status)
         genai = None if record is None else self._genai(state, record, error_type)
         if span.is_recording():
-            status = generation.status_code if generation is not None else state.response_status
-            attributes = _attributes(state, record, genai, status, generation_status, error_type)
+            status = progress.status
+            attributes = _attributes(
+                state, progress, record, genai, status, generation_status, error_type
+            )
             if route:
                 attributes["http.route"] = route
             span.set_attributes(attributes)
@@ -380,7 +388,7 @@ class TelemetryMiddleware:
                 span.add_event("asgi_disconnect." + moment, timestamp=at)
         span.end(end_time)
         if last:
-            self._count_end(state, route, record, genai, generation_status)
+            self._count_end(state, progress, route, record, genai, generation_status)
 
     def _genai(
         self, state: RequestState, record: UsageRecord, error_type: str | None
@@ -405,6 +413,7 @@ class TelemetryMiddleware:
     def _count_end(
         self,
         state: RequestState,
+        progress: Outcome,
         route: str,
         record: UsageRecord | None,
         genai: dict[str, Any] | None,
@@ -412,9 +421,9 @@ class TelemetryMiddleware:
     ) -> None:
         counts = self.counts
         key = (route, str(state.policy) if state.policy is not None else "")
-        if state.ending == "cancelled":
+        if progress.ending == "cancelled":
             counts["asgi_disconnect.requests.cancelled"].add(1, _POLICY_NAMES, key)
-        if state.detached and status == "complete":
+        if progress.detached and status == "complete":
             counts["asgi_disconnect.generations.detach_completed"].add(1, _POLICY_NAMES, key)
         if status == "interrupted":
             counts["asgi_disconnect.generations.interrupted"].add(1, _POLICY_NAMES, key)
@@ -459,6 +468,7 @@ _IDEMPOTENCY_NAMES = ("http.route", "asgi_disconnect.idempotency.outcome")
 
 def _attributes(
     state: RequestState,
+    progress: Outcome,
     record: UsageRecord | None,
     genai: dict[str, Any] | None,
     status: int | None,
@@ -466,22 +476,21 @@ def _attributes(
     error_type: str | None,
 ) -> dict[str, Any]:
     """A recorded span's attributes (an unsampled span gets none built), all at once."""
-    generation = state.generation
     attributes: dict[str, Any] = {
         "asgi_disconnect.generation.id": state.generation_id,
-        "asgi_disconnect.detached": state.detached,
-        "asgi_disconnect.produced.bytes": generation.size if generation is not None else 0,
-        "asgi_disconnect.delivered.bytes": state.delivered_bytes,
-        "asgi_disconnect.delivery": state.delivery,
+        "asgi_disconnect.detached": progress.detached,
+        "asgi_disconnect.produced.bytes": progress.produced_bytes,
+        "asgi_disconnect.delivered.bytes": progress.delivered_bytes,
+        "asgi_disconnect.delivery": progress.delivery,
     }
     if status is not None:
         attributes["http.response.status_code"] = status
     if state.policy is not None:
         attributes["asgi_disconnect.policy"] = str(state.policy)
-    if state.ending is not None:
-        attributes["asgi_disconnect.ending"] = str(state.ending)
-    if state.idempotency is not None:
-        attributes["asgi_disconnect.idempotency.outcome"] = state.idempotency
+    if progress.ending is not None:
+        attributes["asgi_disconnect.ending"] = str(progress.ending)
+    if progress.idempotency is not None:
+        attributes["asgi_disconnect.idempotency.outcome"] = progress.idempotency
     if generation_status is not None:
         attributes["asgi_disconnect.generation.status"] = generation_status
     if record is not None:

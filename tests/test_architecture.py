@@ -594,3 +594,57 @@ def test_only_the_writer_assigns_its_fields() -> None:
 def test_an_assignment_to_a_writers_field_is_found() -> None:
     source = "writer.direct = False\nself.out.writer.delivery = 1\nx.count += 1\nself.writer = w\n"
     assert writer_fields_assigned(source) == ["writer.direct", "writer.delivery"]
+
+
+# What DisconnectMiddleware writes of a request's state and the others read as one frozen
+# ``Outcome`` (``RequestState.progress()``, ``on_end``): read by name only where written.
+OUTCOME_FIELDS = {
+    "delivered_bytes",
+    "delivery",
+    "detached",
+    "ending",
+    "disconnect_reason",
+    "response_status",
+    "idempotency",
+}
+# DisconnectMiddleware's modules, and the contract that builds the Outcome from them.
+OUTCOME_WRITERS = {"_disconnect", "_writer", "_outbound", "_outcome", "_contract"}
+
+
+def state_fields_read(source: str) -> list[str]:
+    """Reads of the outcome's fields on a request's state (``state.detached``,
+    ``self.state.ending``, ``tee.state.delivery``) in ``source``, as ``state.x``;
+    assignments are not reads."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Load)
+            and node.attr in OUTCOME_FIELDS
+        ):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id == "state") or (
+                isinstance(owner, ast.Attribute) and owner.attr == "state"
+            ):
+                found.append(f"state.{node.attr}")
+    return found
+
+
+def test_the_other_middlewares_read_how_an_exchange_went_only_from_its_outcome() -> None:
+    """Metering, idempotency, telemetry, drain and the helpers read the frozen Outcome,
+    never the fields DisconnectMiddleware writes on the state."""
+    found = {
+        f"{short(name)}: {read}"
+        for name, path in module_names(ROOT).items()
+        if short(name) not in OUTCOME_WRITERS
+        for read in state_fields_read(path.read_text("utf-8"))
+    }
+    assert not found, sorted(found)
+
+
+def test_a_read_of_an_outcome_field_is_found() -> None:
+    source = (
+        "state.detached\nself.state.ending\nx = tee.state.delivery\n"
+        "state.idempotency = 'fresh'\nprogress.detached\nstate.generation\n"
+    )
+    assert state_fields_read(source) == ["state.detached", "state.ending", "state.delivery"]

@@ -47,13 +47,15 @@ async def test_a_binding_lives_ttl_after_its_last_turn(backend_url: str) -> None
     backend = connect(backend_url)
     await backend.open()
     try:
-        pins = SessionPins(backend, ttl=0.4)
+        # Turns a third of the ttl apart: a slow store round trip (a busy machine) leaves
+        # room before the binding would lapse.
+        pins = SessionPins(backend, ttl=1.2)
         session = f"s-{secrets.token_hex(4)}"
         assert await pins.provider_for(session, default="a") == "a"
         for _ in range(4):  # turns keep it alive past its first ttl
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.4)
             assert await pins.provider_for(session, default="b") == "a"
-        await asyncio.sleep(0.6)  # idle past the ttl: the next turn binds afresh
+        await asyncio.sleep(1.6)  # idle past the ttl: the next turn binds afresh
         assert await pins.provider_for(session, default="b") == "b"
     finally:
         await backend.aclose()
