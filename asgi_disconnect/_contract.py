@@ -241,6 +241,8 @@ class Outcome(msgspec.Struct, frozen=True, gc=False):
 
     ending: Ending | None
     """How the exchange ended; None while it goes on."""
+    policy: Policy | None
+    """The policy applied when the client left (or by a Stop: cancel); None if it stayed."""
     detached: bool
     """The policy detached the work when its client left."""
     delivered_bytes: int
@@ -456,6 +458,7 @@ class RequestState:
         generation = self.generation
         return Outcome(
             None,
+            self.policy,
             self.detached,
             self.delivered_bytes,
             self.delivery,
@@ -486,6 +489,7 @@ class RequestState:
         generation = self.generation
         outcome = self.outcome = Outcome(
             ending,
+            self.policy,
             self.detached,
             self.delivered_bytes,
             self.delivery,

@@ -438,7 +438,7 @@ class MeteringMiddleware:
         delivered = tee.delivered
         if delivered > produced:
             delivered = produced
-        outcome, error_type = _outcome(tee, state, report)
+        outcome, error_type = _outcome(tee, report)
         upstream = state.upstream_usage if state is not None else None
         if upstream is not None and report.usage_source != "provider":
             # Asked of the provider for the record, kept from the client (open_stream).
@@ -498,7 +498,7 @@ class MeteringMiddleware:
             state,
             tee.provider,
             None,
-            _failed_outcome(tee, state) or "unknown",
+            _failed_outcome(tee) or "unknown",
             None,
             None,
             "none",
@@ -1231,11 +1231,12 @@ def _record(
     policy: str | None
     if state is not None:
         generation_id, principal = state.generation_id, state.principal
-        policy = state.policy.value if state.policy is not None else None
         ended = tee.outcome
-        detached, delivery = (
-            (ended.detached, ended.delivery) if ended is not None else (False, "sent")
-        )
+        if ended is not None:
+            detached, delivery = ended.detached, ended.delivery
+            policy = ended.policy.value if ended.policy is not None else None
+        else:
+            detached, delivery, policy = False, "sent", None
     else:
         generation_id = principal = policy = None
         detached, delivery = False, "sent"
@@ -1269,10 +1270,10 @@ def _record(
     )
 
 
-def _outcome(tee: _Tee, state: RequestState | None, report: Any) -> tuple[str, str | None]:
+def _outcome(tee: _Tee, report: Any) -> tuple[str, str | None]:
     """How the request ended, and its error type if it failed."""
     failure = tee.failure
-    outcome = _failed_outcome(tee, state)
+    outcome = _failed_outcome(tee)
     if outcome is None:
         if report.error is not None:
             outcome = "error"
@@ -1303,13 +1304,14 @@ def _unread(
         notes.append("a JSON body over 4 MiB, read by its ends: no usage there")
 
 
-def _failed_outcome(tee: _Tee, state: RequestState | None) -> str | None:
+def _failed_outcome(tee: _Tee) -> str | None:
     """``cancelled``, ``interrupted`` or ``error`` when the exchange says so, else None."""
     failure = tee.failure
     if failure is None:
         return "error" if (tee.status_code or 0) >= 400 else None
     if isinstance(failure, asyncio.CancelledError):
-        policy = state.policy if state is not None else None
+        ended = tee.outcome
+        policy = ended.policy if ended is not None else None
         return "cancelled" if policy is not None and policy.value == "cancel" else "interrupted"
     if getattr(failure, "error_type", None) == "truncated_stream":
         return "truncated"  # asgi_disconnect.upstream.TruncatedStream

@@ -335,7 +335,7 @@ class TelemetryMiddleware:
         )
 
     def _count_request(self, route: str, state: RequestState, progress: Outcome) -> None:
-        policy = str(state.policy) if state.policy is not None else ""
+        policy = str(progress.policy) if progress.policy is not None else ""
         counts = self.counts
         if progress.disconnect_reason is not None:
             counts["asgi_disconnect.requests.disconnected"].add(1, _POLICY_NAMES, (route, policy))
@@ -420,7 +420,7 @@ class TelemetryMiddleware:
         status: str | None,
     ) -> None:
         counts = self.counts
-        key = (route, str(state.policy) if state.policy is not None else "")
+        key = (route, str(progress.policy) if progress.policy is not None else "")
         if progress.ending == "cancelled":
             counts["asgi_disconnect.requests.cancelled"].add(1, _POLICY_NAMES, key)
         if progress.detached and status == "complete":
@@ -485,8 +485,8 @@ def _attributes(
     }
     if status is not None:
         attributes["http.response.status_code"] = status
-    if state.policy is not None:
-        attributes["asgi_disconnect.policy"] = str(state.policy)
+    if progress.policy is not None:
+        attributes["asgi_disconnect.policy"] = str(progress.policy)
     if progress.ending is not None:
         attributes["asgi_disconnect.ending"] = str(progress.ending)
     if progress.idempotency is not None:

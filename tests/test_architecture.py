@@ -599,6 +599,7 @@ def test_an_assignment_to_a_writers_field_is_found() -> None:
 # What DisconnectMiddleware writes of a request's state and the others read as one frozen
 # ``Outcome`` (``RequestState.progress()``, ``on_end``): read by name only where written.
 OUTCOME_FIELDS = {
+    "policy",
     "delivered_bytes",
     "delivery",
     "detached",

@@ -1,5 +1,7 @@
-"""RequestState.on_usage: an observer outside the stack gets each request's usage record
-once, whether metering runs the request or not, and whenever it asks."""
+"""RequestState's hooks: an observer outside the stack gets each request's usage record
+once (``on_usage``), whether metering runs the request or not, and whenever it asks; and
+how the exchange went as one frozen ``Outcome``, so far (``progress``) and once at its end
+(``on_end``)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asgi_disconnect import (
     DisconnectMiddleware,
+    Ending,
     MemoryBackend,
     MeteringMiddleware,
+    Outcome,
+    Policy,
     RequestState,
     UsageRecord,
     install,
@@ -175,3 +180,98 @@ def test_a_send_that_is_not_the_apps_gets_no_hook() -> None:
     assert state.message_hook is print
     state.off_message(print)
     assert state.message_hook is None
+
+
+class EndObserver:
+    """Outermost: reads how the exchange goes so far when the app returns, and its outcome
+    through on_end, as the other middlewares do."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.outcomes: list[Outcome] = []
+        self.at_return: Outcome | None = None
+        self.ended = asyncio.Event()
+        self.state: RequestState | None = None
+
+    def end(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+        self.ended.set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.state = RequestState("gen_ended", "tester")
+        scope["asgi_disconnect"] = state
+        state.on_end(self.end)
+        await self.app(scope, receive, send)
+        self.at_return = state.progress()
+
+
+async def test_the_outcome_is_published_once_frozen_when_a_cancel_ends_under_a_disconnect() -> None:
+    probe = Probe()
+    app = sse_app(probe, chunks=50, delay=0.01)
+    install(app, backend=MemoryBackend(), principal=as_tester)
+    observer = EndObserver(app)
+    async with lifespan(app):
+        result = await drive(observer, path="/cancel", disconnect_after_bytes=30)
+        await asyncio.wait_for(observer.ended.wait(), 5)
+    assert result.disconnected
+    (outcome,) = observer.outcomes
+    assert outcome.ending is Ending.CANCELLED
+    assert outcome.policy is Policy.CANCEL
+    assert outcome.disconnect_reason == "client"
+    assert outcome.detached is False
+    assert 30 <= outcome.delivered_bytes <= outcome.produced_bytes < 50 * 30
+    assert outcome.status == 200
+    state = observer.state
+    assert state is not None
+    assert state.outcome is outcome  # published once: read after, it is the same object
+    assert state.progress() is outcome
+    with pytest.raises(AttributeError):
+        outcome.delivered_bytes = 0  # type: ignore[misc]
+    late: list[Outcome] = []
+    state.on_end(late.append)  # asked after the end: called at once, with the same
+    assert late == [outcome]
+    assert late[0] is outcome
+
+
+async def test_progress_says_detached_work_goes_on_until_its_outcome_says_how_it_ended() -> None:
+    probe = Probe()
+    app = sse_app(probe, chunks=20, delay=0.01)
+    install(app, backend=MemoryBackend(), principal=as_tester)
+    observer = EndObserver(app)
+    async with lifespan(app):
+        result = await drive(observer, path="/detach", disconnect_after_bytes=30)
+        assert result.disconnected
+        at_return = observer.at_return
+        assert at_return is not None
+        # The response is over, the work is not: no ending yet, and detached.
+        assert at_return.ending is None
+        assert at_return.detached is True
+        assert at_return.policy is Policy.DETACH
+        assert observer.outcomes == []
+        await asyncio.wait_for(observer.ended.wait(), 5)
+    assert probe.finished.is_set()
+    (outcome,) = observer.outcomes
+    assert outcome.ending is Ending.CUT  # its client was gone before the end
+    assert outcome.detached is True
+    assert outcome.produced_bytes > at_return.produced_bytes
+    assert outcome.delivered_bytes < outcome.produced_bytes
+
+
+async def test_an_on_end_hook_that_raises_is_logged_and_the_others_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    state = RequestState("gen_x", "tester")
+    seen: list[Outcome] = []
+
+    def broken(outcome: Outcome) -> None:
+        raise RuntimeError("boom")
+
+    state.on_end(broken)
+    state.on_end(seen.append)
+    with caplog.at_level(logging.ERROR, logger="asgi_disconnect"):
+        state.finish(Ending.DELIVERED)
+        state.finish(Ending.FAILED)  # later calls do nothing
+    assert [o.ending for o in seen] == [Ending.DELIVERED]
+    assert "a callback at the end of a request failed" in caplog.text
+    assert seen[0].policy is None
+    assert seen[0].disconnect_reason is None
