@@ -22,8 +22,8 @@ Who writes what in :class:`RequestState`:
 =====================  ======================================================
 field                  written by
 =====================  ======================================================
-``generation_id``      :func:`request_state`, once
-``principal``          :func:`request_state`, once
+``generation_id``      :func:`request_state`, once (read-only: the identity)
+``principal``          :func:`request_state`, once (read-only: the identity)
 ``generation``         DisconnectMiddleware, at the response start
 ``log_store``          DisconnectMiddleware, with ``generation``: where its bytes are
                        read back (``follow``), those the log let go included
@@ -40,6 +40,9 @@ field                  written by
                        ``delivered_bytes`` is what the client's TCP acknowledged,
                        ``"sent"`` if it is what was handed to the server
 ``ending``             DisconnectMiddleware, once, when the exchange is over
+``outcome``            :meth:`RequestState.finish` (DisconnectMiddleware), once, when the
+                       exchange is over: the frozen :class:`Outcome` of the fields above
+                       that the other middlewares read (never the fields themselves)
 ``stream_ending``      MeteringMiddleware, at an event stream's start: a callable that
                        says how it ended by its protocol (``complete``, ``error``,
                        ``truncated``; None unknown), asked when the final body arrives
@@ -369,6 +372,8 @@ class RequestState:
     __slots__ = (
         "_disconnected",
         "_finalizers",
+        "_id",
+        "_principal",
         "_usage_hooks",
         "app_send",
         "delivered_bytes",
@@ -377,7 +382,6 @@ class RequestState:
         "disconnect_reason",
         "ending",
         "generation",
-        "generation_id",
         "handled",
         "idempotency",
         "log_store",
@@ -385,7 +389,6 @@ class RequestState:
         "message_hook",
         "outcome",
         "policy",
-        "principal",
         "provider_name",
         "request_body",
         "request_model",
@@ -398,8 +401,8 @@ class RequestState:
     )
 
     def __init__(self, generation_id: str, principal: str = "") -> None:
-        self.generation_id = generation_id
-        self.principal = principal
+        self._id = generation_id
+        self._principal = principal
         self.generation: GenerationOutput | None = None
         self.log_store: LogStore | None = None
         self.policy: Policy | None = None
@@ -430,6 +433,16 @@ class RequestState:
         self.provider_name: str | None = None
         self.idempotency: str | None = None
         self.response_status: int | None = None
+
+    @property
+    def generation_id(self) -> str:
+        """The request's generation id, given once: its identity, with :attr:`principal`."""
+        return self._id
+
+    @property
+    def principal(self) -> str:
+        """Who made the request, resolved once by the outermost middleware of the package."""
+        return self._principal
 
     @property
     def disconnected(self) -> asyncio.Event:

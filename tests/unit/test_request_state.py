@@ -275,3 +275,13 @@ async def test_an_on_end_hook_that_raises_is_logged_and_the_others_still_run(
     assert "a callback at the end of a request failed" in caplog.text
     assert seen[0].policy is None
     assert seen[0].disconnect_reason is None
+
+
+def test_the_identity_is_given_once() -> None:
+    state = RequestState("gen_1", "alice")
+    assert (state.generation_id, state.principal) == ("gen_1", "alice")
+    with pytest.raises(AttributeError):
+        state.generation_id = "gen_2"  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        state.principal = "mallory"  # type: ignore[misc]
+    assert (state.generation_id, state.principal) == ("gen_1", "alice")
