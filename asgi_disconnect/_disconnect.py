@@ -147,7 +147,8 @@ class DisconnectMiddleware:
     the request's generation log and returns at once, and a client writer drains the
     log to the server. A single reader owns ``receive``. When the client disconnects,
     or makes no progress for ``max_lag_seconds``, the route's policy applies (a client that
-    reads but falls ``max_lag_bytes`` behind makes the app wait instead): ``cancel`` cancels
+    reads but falls ``max_lag_bytes`` behind makes the app wait instead, on the memory
+    backend; a durable backend gives the client its backlog from the store): ``cancel`` cancels
     the app and closes tracked upstream responses; ``detach`` lets it finish, its output
     readable under ``resume_prefix``.
 
@@ -201,6 +202,9 @@ class DisconnectMiddleware:
             re.compile("|".join(f"(?:{p})" for p in exclude_paths)) if exclude_paths else None
         )
         self.max_lag_bytes = max_lag_bytes
+        # A durable store gives back what memory released: a lagging client's backlog is
+        # read there, so the producer never waits on its client (Generation.reads_back).
+        self.reads_back = self.backend.flush_interval is not None
         self.max_lag_seconds = max_lag_seconds
         self.shutdown_timeout = shutdown_timeout
         self.keep_alive = keep_alive

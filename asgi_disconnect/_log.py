@@ -73,6 +73,10 @@ class Generation:
     base_index = 0
     # Where the exchange's own frames (an error frame, say) began: the app's output ends there.
     frames_at: int | None = None
+    # True when the store that flushes this log can give back what memory released, so the
+    # request's own client writer reads its backlog there (a durable backend): memory lets
+    # go of what is stored whatever the client has received.
+    reads_back = False
 
     def __init__(
         self,
@@ -167,10 +171,11 @@ class Generation:
 
     def stored(self, offset: int) -> None:
         """A store has the bytes before ``offset``: free those no reader in this process
-        needs. The request's own client still reads what it has not received (readers
-        behind it read the store); a detached generation's client is gone."""
+        needs. Readers behind read the store; so does the request's own client when the
+        store can give them back (``reads_back``), else what it has not received stays; a
+        detached generation's client is gone."""
         reader = self.reader
-        if reader is not None and not self.detached:
+        if reader is not None and not self.detached and not self.reads_back:
             offset = min(offset, reader.delivered_bytes)
         if offset > self.base:
             self.release(offset)
@@ -178,8 +183,9 @@ class Generation:
     def release(self, offset: int) -> int:
         """Free the chunks that end at or before byte ``offset`` (a store has them, and no
         reader in this process needs them); their slots stay, so chunk indices hold.
-        Returns the bytes freed. A running event stream keeps its end (:meth:`tail_start`)."""
-        if self.running and self._events():
+        Returns the bytes freed. An event stream keeps its end (:meth:`tail_start`) while it
+        runs and until its exchange is over (metering reads it there)."""
+        if (self.running or self.reader is not None) and self._events():
             offset = min(offset, self.tail_start())
         chunks = self.chunks
         index = self.base_index

@@ -308,6 +308,7 @@ class Outbound:
                     elif (
                         not writer.take(message)
                         and live.size - self.state.delivered_bytes > self.mw.max_lag_bytes
+                        and not live.reads_back
                     ):
                         await writer.room(self.mw.max_lag_bytes // 2)
                     return
@@ -352,10 +353,15 @@ class Outbound:
                 writer.pump()
                 return
             writer.wake()
-            if generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes:
+            if (
+                generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes
+                and not generation.reads_back
+            ):
                 # The client reads, slower than the app produces: the app waits for it,
-                # so memory stays bounded. A client that stops is lagging (the writer's
-                # deadline), and then the policy applies.
+                # so memory stays bounded (with a durable store, memory lets go of what is
+                # stored and the writer reads the client's backlog there: no wait). A
+                # client that stops is lagging (the writer's deadline), and then the
+                # policy applies.
                 await writer.room(self.mw.max_lag_bytes // 2)
         elif more_body:
             if body:
@@ -547,8 +553,10 @@ class Outbound:
         if state.policy is not None:
             generation.policy = state.policy.value
             generation.detached = state.detached
-        # What the client has not received yet stays in memory (see Generation.release).
+        # What the client has not received yet stays in memory (see Generation.release),
+        # unless the store can give it back to the client writer.
         generation.reader = state
+        generation.reads_back = self.mw.reads_back
         self.generation = state.generation = generation
         backend = state.log_store = self.mw.backend
         backend.register(generation)

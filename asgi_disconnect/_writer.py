@@ -19,6 +19,7 @@ produced before it (``http.response.trailers`` behind the final body,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import enum
 import sys
@@ -413,6 +414,11 @@ class ClientWriter:
                     self.deadline.disarm()
                     self._sent(message, size, count)
                     continue
+                if self.sent_index < generation.base_index and self.delivery is _OPEN:
+                    # What the client has yet to receive left memory (a durable store has
+                    # it, see Generation.reads_back): read it back from there.
+                    await self._backlog(loop)
+                    continue
                 latest = self.latest
                 if latest is not None:
                     following = self._latest(latest)
@@ -460,6 +466,28 @@ class ClientWriter:
             self._free_room()
             # Its timer holds the writer, and through it the log, until it fires.
             self.deadline.cancel()
+
+    async def _backlog(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Send the client the next part of what memory released before it got there, read
+        back from the store as a resume reader reads it, up to where memory starts (one read
+        of at most 1 MiB at a time). Only the send counts against the lag deadline."""
+        generation = self.generation
+        end, end_index = generation.base, generation.base_index
+        offset = self.state.delivered_bytes
+        store = self.state.log_store
+        if store is None:
+            raise RuntimeError(f"generation {generation.id} released bytes with no store")
+        async with contextlib.aclosing(store.follow(generation.id, offset)) as pieces:
+            data = await anext(pieces, b"")
+        data = data[: end - offset]
+        if not data:
+            raise RuntimeError(f"the store gave back no bytes of {generation.id} at {offset}")
+        message: Message = {"type": "http.response.body", "body": data, "more_body": True}
+        self.deadline.arm(loop)
+        await self.send(message)
+        self.deadline.disarm()
+        caught_up = offset + len(data) >= end
+        self._sent(message, len(data), end_index if caught_up else self.sent_index)
 
     def _lagging(self) -> None:
         if not self.task.done() and self.delivery is not _GONE:
