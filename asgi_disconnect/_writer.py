@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import contextvars
 import enum
+import logging
 import sys
 import types
 from typing import TYPE_CHECKING, Any
@@ -33,11 +34,13 @@ if TYPE_CHECKING:
 
     from starlette.types import Message, Send
 
-    from ._contract import RequestState
+    from ._contract import LogStore, RequestState
     from ._log import Generation
     from ._transport import ConnectionWatch
 
 __all__ = ["EAGER_SENDS", "ClientWriter", "Delivery", "send_whole"]
+
+logger = logging.getLogger("asgi_disconnect")
 
 EAGER_SENDS = sys.version_info >= (3, 12)
 """Whether a send is started at once in a task of its own (``Task(..., eager_start=True)``,
@@ -477,9 +480,7 @@ class ClientWriter:
         store = self.state.log_store
         if store is None:
             raise RuntimeError(f"generation {generation.id} released bytes with no store")
-        async with contextlib.aclosing(store.follow(generation.id, offset)) as pieces:
-            data = await anext(pieces, b"")
-        data = data[: end - offset]
+        data = (await self._read_back(store, offset))[: end - offset]
         if not data:
             raise RuntimeError(f"the store gave back no bytes of {generation.id} at {offset}")
         message: Message = {"type": "http.response.body", "body": data, "more_body": True}
@@ -488,6 +489,30 @@ class ClientWriter:
         self.deadline.disarm()
         caught_up = offset + len(data) >= end
         self._sent(message, len(data), end_index if caught_up else self.sent_index)
+
+    async def _read_back(self, store: LogStore, offset: int) -> bytes:
+        """The stored bytes from ``offset`` (at most 1 MiB). A store that cannot answer is
+        asked again every half second for up to ``max_lag_seconds``, so a database restart
+        does not cut a client off; past that, the error ends the response."""
+        give_up = self.loop.time() + self.deadline.seconds
+        said = False
+        while True:
+            try:
+                async with contextlib.aclosing(store.follow(self.generation.id, offset)) as pieces:
+                    return await anext(pieces, b"")
+            except Exception as exc:
+                if self.loop.time() >= give_up:
+                    raise
+                if not said:
+                    said = True
+                    logger.warning(
+                        "generation %s: its client's backlog cannot be read back from the "
+                        "store (%s); retrying for up to %g s",
+                        self.generation.id,
+                        exc,
+                        self.deadline.seconds,
+                    )
+            await asyncio.sleep(0.5)
 
     def _lagging(self) -> None:
         if not self.task.done() and self.delivery is not _GONE:
