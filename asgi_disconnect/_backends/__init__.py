@@ -45,8 +45,10 @@ def connect(
     the schema is made: a pragma, a function, a trace callback. On PostgreSQL, give
     ``pool=`` an asyncpg pool made with its own ``init=``.
 
-    Durable backends take ``flush_interval`` (default 0.05 s), ``flush_max_bytes``,
-    ``lease``, ``sweep_interval``, ``ttl`` (default one day) and ``reap_interval``.
+    Durable backends take ``flush_interval`` (default 0.05 s), ``max_flush_interval``
+    (how far the flush window may grow under load; default four flush intervals, at most
+    1 s), ``flush_max_bytes``, ``lease``, ``sweep_interval``, ``ttl`` (default one day)
+    and ``reap_interval``.
     Nothing connects until ``open()`` (the middleware calls it at lifespan startup), which
     raises :class:`BackendUnavailable` saying why and what to do if the store cannot be
     opened. A malformed URL or option is a ``ValueError`` at once.

@@ -17,6 +17,7 @@ from .._errors import BackendUnavailable
 from .._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
 from ._pending import PendingWrites
 from ._tails import StoreTails
+from ._window import FlushWindow, default_ceiling
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Callable
@@ -142,15 +143,19 @@ _CANCEL_POLL = 0.25
 
 
 class DurableBackend:
-    """Persists live generations chunk by chunk, at most ``flush_interval`` behind.
+    """Persists live generations chunk by chunk, at most one flush window behind.
 
-    Writes are batched: every ``flush_interval`` seconds (and at once again while more than
+    Writes are batched: once per flush window (and at once again while more than
     ``flush_max_bytes`` are pending) one transaction inserts new generations, their new
-    chunks and their final status. A ``kill -9`` loses at most the output of the last
-    flush interval plus the flush then under way. Each running generation holds a lease
-    that a heartbeat renews, judged by the database's clock; a sweep marks generations
-    whose owner stopped renewing as ``interrupted``. Finished generations expire ``ttl``
-    seconds after they end and a reaper deletes them in batches.
+    chunks and their final status. The window is ``flush_interval`` while flushes take
+    less than a quarter of it; when they take longer it grows (more chunks per transaction,
+    fewer transactions), up to ``max_flush_interval`` (default four flush intervals, at
+    most 1 s), and it shrinks back when they are quick again (:class:`FlushWindow`). A
+    ``kill -9`` loses at most the output of the current window plus the flush then under
+    way. Each running generation holds a lease that a heartbeat renews, judged by the
+    database's clock; a sweep marks generations whose owner stopped renewing as
+    ``interrupted``. Finished generations expire ``ttl`` seconds after they end and a
+    reaper deletes them in batches.
     """
 
     def __init__(
@@ -158,6 +163,7 @@ class DurableBackend:
         store: SQLStore,
         *,
         flush_interval: float = 0.05,
+        max_flush_interval: float | None = None,
         flush_max_bytes: int = 1 << 20,
         lease: float = 15.0,
         sweep_interval: float = 5.0,
@@ -167,10 +173,17 @@ class DurableBackend:
     ) -> None:
         if not 0 < flush_interval <= 5:
             raise ValueError("flush_interval must be in (0, 5] seconds")
+        if max_flush_interval is None:
+            max_flush_interval = default_ceiling(flush_interval)
+        if not flush_interval <= max_flush_interval <= 5:
+            raise ValueError("max_flush_interval must be in [flush_interval, 5] seconds")
         if flush_max_bytes <= 0:
             raise ValueError("flush_max_bytes must be positive")
-        if lease <= 3 * flush_interval:
-            raise ValueError("lease must be longer than three flush intervals")
+        if lease <= 3 * max_flush_interval:
+            raise ValueError(
+                f"lease must be longer than three flush windows at their ceiling "
+                f"(max_flush_interval, here {max_flush_interval} s)"
+            )
         if ttl <= 0 or sweep_interval <= 0 or reap_interval <= 0 or max_pending_usage <= 0:
             raise ValueError(
                 "ttl, sweep_interval, reap_interval and max_pending_usage must be positive"
@@ -179,6 +192,8 @@ class DurableBackend:
         self.store = store
         self.url = store.url
         self.flush_interval = flush_interval
+        self.max_flush_interval = max_flush_interval
+        self._window = FlushWindow(flush_interval, max_flush_interval)
         self.flush_max_bytes = flush_max_bytes
         self.lease = lease
         self.sweep_interval = sweep_interval
@@ -332,8 +347,11 @@ class DurableBackend:
         while True:
             started = loop.time()
             try:
-                while await self.flush():
-                    pass
+                rows, more = await self._write_pending()
+                while more:
+                    written, more = await self._write_pending()
+                    rows += written
+                self._window.observe(loop.time() - started, rows)
                 if started >= next_cancel:
                     if self._pending and self.on_cancel is not None:
                         for generation_id in await self.store.cancel_requests(self.owner):
@@ -368,11 +386,23 @@ class DurableBackend:
                         self.url,
                         exc,
                     )
-            delay = self.flush_interval if not self._failures else min(1.0, self.flush_interval * 4)
+            retry = min(1.0, self.flush_interval * 4)
+            delay = retry if self._failures else self._window.current
             await asyncio.sleep(max(0.0, started + delay - loop.time()))
+
+    @property
+    def flush_window(self) -> float:
+        """The wait between two flushes as chosen last: ``flush_interval`` while the store
+        keeps up, up to ``max_flush_interval`` under load."""
+        return self._window.current
 
     async def flush(self) -> bool:
         """Write what is pending; True if it stopped at ``flush_max_bytes`` with more left."""
+        _, more = await self._write_pending()
+        return more
+
+    async def _write_pending(self) -> tuple[int, bool]:
+        """Write what is pending: the rows written, and whether more is left."""
         lock = self._flush_lock
         assert lock is not None
         async with lock:
@@ -384,7 +414,7 @@ class DurableBackend:
                     self._pending.failed(batch)
                     raise
                 self._pending.committed(batch, done)
-            return more
+            return batch.rows(), more
 
     # -- reads --------------------------------------------------------------------------
 

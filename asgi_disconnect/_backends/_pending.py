@@ -48,6 +48,16 @@ class FlushBatch:
     def __bool__(self) -> bool:
         return bool(self.created or self.chunks or self.changed or self.finished or self.usage)
 
+    def rows(self) -> int:
+        """How many rows the flush writes."""
+        return (
+            len(self.created)
+            + len(self.chunks)
+            + len(self.changed)
+            + len(self.finished)
+            + len(self.usage)
+        )
+
     def touched(self) -> set[str]:
         ids = {row[0] for row in self.chunks}
         ids.update(row[0] for row in self.finished)
