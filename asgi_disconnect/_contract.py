@@ -713,8 +713,9 @@ class GenerationLog(GenerationReader, Protocol):
 
     @property
     def flush_interval(self) -> float | None:
-        """At most how long a durable store is behind the process that produces a
-        generation; None for one that is not shared (memory)."""
+        """How long a durable store is behind the process that produces a generation
+        while it keeps up (under load its flush window grows, up to its own ceiling); None
+        for one that is not shared (memory)."""
 
     def register(self, generation: LiveLog) -> None:
         """Take a new generation; called once, without awaiting, at response start."""
