@@ -124,6 +124,7 @@ __all__ = [
     "RequestState",
     "Reservations",
     "StoreLifecycle",
+    "StoreRoom",
     "UsageSink",
     "UsageStore",
     "answered",
@@ -324,6 +325,14 @@ class GenerationOutput(Protocol):
         """The bytes in order, ``count`` chunks at a time; all in memory (``base`` is 0)."""
 
 
+class StoreRoom(Protocol):
+    """A store whose producers wait for it once too much output waits to be written."""
+
+    async def room(self) -> None:
+        """Return at once, or once the output waiting for the store is back under its
+        bound."""
+
+
 class LiveLog(Protocol):
     """A generation logged in this process, as the store that keeps it reads it: its
     record (``info``), its bytes (``chunks_from``) and how the store keeps up with it.
@@ -351,6 +360,9 @@ class LiveLog(Protocol):
 
     # Called once when the generation ends: the store that keeps it accounts for it then.
     on_finish: Callable[[LiveLog], None] | None
+    # Set by a store that bounds the output waiting for it: a producer whose log holds more
+    # than a couple of MiB awaits ``hold.room()`` (None: it never waits on the store).
+    hold: StoreRoom | None
 
     def info(self) -> GenerationInfo: ...
     def chunks_from(self, index: int) -> list[bytes]:

@@ -16,9 +16,9 @@ from ._records import GenerationInfo, Status
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
-    from ._contract import ClientReader, LiveLog
+    from ._contract import ClientReader, LiveLog, StoreRoom
 
-__all__ = ["Generation", "Released", "now"]
+__all__ = ["HOLD_CHECK", "Generation", "Released", "now"]
 
 
 _READ_LIMIT = 1 << 20
@@ -26,6 +26,9 @@ _READ_LIMIT = 1 << 20
 # reads the stream's end there when it ends (the provider's usage, the terminal marker).
 TAIL_EVENTS = 3
 TAIL_LIMIT = 960 << 10
+# A log holding more than this in memory (a message's worth past the kept end of a stream)
+# asks its store whether the output waiting to be written is over the process's bound.
+HOLD_CHECK = 2 << 20
 
 
 # What a released chunk's slot holds: its bytes are gone, its index stays.
@@ -77,6 +80,10 @@ class Generation:
     # request's own client writer reads its backlog there (a durable backend): memory lets
     # go of what is stored whatever the client has received.
     reads_back = False
+    # Set by a durable store, which bounds the output waiting for it across the process
+    # (``max_pending_bytes``): a producer whose log holds more than HOLD_CHECK bytes not
+    # let go (the store is behind) awaits ``hold.room()``, which returns at once under it.
+    hold: StoreRoom | None = None
 
     def __init__(
         self,

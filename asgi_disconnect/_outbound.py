@@ -14,7 +14,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._contract import METERED_ATTRIBUTE, content_kind
-from ._log import Generation
+from ._log import HOLD_CHECK, Generation
 from ._policy import route_policy
 from ._records import Status
 from ._resume import error_frame, is_event_stream
@@ -311,12 +311,29 @@ class Outbound:
                         and not live.reads_back
                     ):
                         await writer.room(self.mw.max_lag_bytes // 2)
+                    # 2097152 is HOLD_CHECK: the store may be behind; past its bound, wait on it.
+                    if live.size - live.base > 2097152 and live.hold is not None:
+                        await live.hold.room()
                     return
             await self._body(message, body, more_body, writer)
         elif kind == "http.response.start":
             await self._response_start(message)
         else:
             await self._other(kind, message)
+
+    async def _hand(self, writer: ClientWriter, generation: Generation) -> None:
+        """The writer takes what was appended. On the memory backend a client that reads
+        slower than the app produces makes it wait once ``max_lag_bytes`` behind (a durable
+        store gives the writer the client's backlog: no wait)."""
+        if writer.direct:
+            writer.pump()
+            return
+        writer.wake()
+        if (
+            generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes
+            and not generation.reads_back
+        ):
+            await writer.room(self.mw.max_lag_bytes // 2)
 
     async def _body(
         self, message: Message, body: bytes, more_body: bool, writer: ClientWriter | None
@@ -346,23 +363,12 @@ class Outbound:
                     generation.append(body[start : start + MESSAGE_BYTES])
         if not more_body:
             self._end_body(generation)
+        elif generation.size - generation.base > HOLD_CHECK and generation.hold is not None:
+            await generation.hold.room()  # the store is behind: wait on it, not the client
         if self.client_gone:
             return
         if writer is not None:
-            if writer.direct:
-                writer.pump()
-                return
-            writer.wake()
-            if (
-                generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes
-                and not generation.reads_back
-            ):
-                # The client reads, slower than the app produces: the app waits for it,
-                # so memory stays bounded (with a durable store, memory lets go of what is
-                # stored and the writer reads the client's backlog there: no wait). A
-                # client that stops is lagging (the writer's deadline), and then the
-                # policy applies.
-                await writer.room(self.mw.max_lag_bytes // 2)
+            await self._hand(writer, generation)
         elif more_body:
             if body:
                 self.open_writer().pump()

@@ -218,7 +218,7 @@ class ClientWriter:
         """An eager send finished in its first step: its outcome, as the writer's would be."""
         exc = task.exception()
         if exc is None:
-            self._sent(message, size, count)
+            self.sent(message, size, count)
         elif isinstance(exc, OSError):
             self.lost("client")
         else:
@@ -363,7 +363,8 @@ class ClientWriter:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def _sent(self, message: Message, size: int, count: int) -> None:
+    def sent(self, message: Message, size: int, count: int) -> None:
+        """``message`` (up to chunk ``count`` of the log, ``size`` bytes of it) was handed."""
         kind = message["type"]
         if kind == "http.response.body":
             extras = self.extras
@@ -415,12 +416,12 @@ class ClientWriter:
                     finally:
                         self._pending = None
                     self.deadline.disarm()
-                    self._sent(message, size, count)
+                    self.sent(message, size, count)
                     continue
                 if self.sent_index < generation.base_index and self.delivery is _OPEN:
                     # What the client has yet to receive left memory (a durable store has
                     # it, see Generation.reads_back): read it back from there.
-                    await self._backlog(loop)
+                    await send_backlog(self, loop)
                     continue
                 latest = self.latest
                 if latest is not None:
@@ -446,7 +447,7 @@ class ClientWriter:
                         self.deadline.arm(loop)
                         await Resume(sending, waiting_on)
                         self.deadline.disarm()
-                    self._sent(message, size, count)
+                    self.sent(message, size, count)
                     continue
                 if self.delivery is not _OPEN or self.closing:
                     return
@@ -469,50 +470,6 @@ class ClientWriter:
             self._free_room()
             # Its timer holds the writer, and through it the log, until it fires.
             self.deadline.cancel()
-
-    async def _backlog(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Send the client the next part of what memory released before it got there, read
-        back from the store as a resume reader reads it, up to where memory starts (one read
-        of at most 1 MiB at a time). Only the send counts against the lag deadline."""
-        generation = self.generation
-        end, end_index = generation.base, generation.base_index
-        offset = self.state.delivered_bytes
-        store = self.state.log_store
-        if store is None:
-            raise RuntimeError(f"generation {generation.id} released bytes with no store")
-        data = (await self._read_back(store, offset))[: end - offset]
-        if not data:
-            raise RuntimeError(f"the store gave back no bytes of {generation.id} at {offset}")
-        message: Message = {"type": "http.response.body", "body": data, "more_body": True}
-        self.deadline.arm(loop)
-        await self.send(message)
-        self.deadline.disarm()
-        caught_up = offset + len(data) >= end
-        self._sent(message, len(data), end_index if caught_up else self.sent_index)
-
-    async def _read_back(self, store: LogStore, offset: int) -> bytes:
-        """The stored bytes from ``offset`` (at most 1 MiB). A store that cannot answer is
-        asked again every half second for up to ``max_lag_seconds``, so a database restart
-        does not cut a client off; past that, the error ends the response."""
-        give_up = self.loop.time() + self.deadline.seconds
-        said = False
-        while True:
-            try:
-                async with contextlib.aclosing(store.follow(self.generation.id, offset)) as pieces:
-                    return await anext(pieces, b"")
-            except Exception as exc:
-                if self.loop.time() >= give_up:
-                    raise
-                if not said:
-                    said = True
-                    logger.warning(
-                        "generation %s: its client's backlog cannot be read back from the "
-                        "store (%s); retrying for up to %g s",
-                        self.generation.id,
-                        exc,
-                        self.deadline.seconds,
-                    )
-            await asyncio.sleep(0.5)
 
     def _lagging(self) -> None:
         if not self.task.done() and self.delivery is not _GONE:
@@ -583,6 +540,55 @@ def _last(message: Message, expect_trailers: bool) -> bool:
 
 def _ignore_loss(reason: str) -> None:
     """A writer's ``on_lost`` once its exchange is over."""
+
+
+async def send_backlog(writer: ClientWriter, loop: asyncio.AbstractEventLoop) -> None:
+    """Send the client the next part of what memory released before it got there, read
+    back from the store as a resume reader reads it (:func:`read_back`), up to where memory
+    starts, at most 1 MiB at a time. Only the send counts against the lag deadline."""
+    generation, state = writer.generation, writer.state
+    end, end_index = generation.base, generation.base_index
+    offset = state.delivered_bytes
+    store = state.log_store
+    if store is None:
+        raise RuntimeError(f"generation {generation.id} released bytes with no store")
+    data = await read_back(store, generation.id, offset, writer.deadline.seconds)
+    data = data[: end - offset]
+    if not data:
+        raise RuntimeError(f"the store gave back no bytes of {generation.id} at {offset}")
+    message: Message = {"type": "http.response.body", "body": data, "more_body": True}
+    writer.deadline.arm(loop)
+    await writer.send(message)
+    writer.deadline.disarm()
+    caught_up = offset + len(data) >= end
+    writer.sent(message, len(data), end_index if caught_up else writer.sent_index)
+
+
+async def read_back(store: LogStore, generation_id: str, offset: int, patience: float) -> bytes:
+    """The stored bytes of a generation from ``offset`` (at most 1 MiB), for a client whose
+    backlog memory let go. A store that cannot answer is asked again every half second for
+    up to ``patience`` seconds (``max_lag_seconds``), so a database restart does not cut a
+    client off; past that, the error ends the response."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + patience
+    said = False
+    while True:
+        try:
+            async with contextlib.aclosing(store.follow(generation_id, offset)) as pieces:
+                return await anext(pieces, b"")
+        except Exception as exc:
+            if loop.time() >= give_up:
+                raise
+            if not said:
+                said = True
+                logger.warning(
+                    "generation %s: its client's backlog cannot be read back from the store "
+                    "(%s); retrying for up to %g s",
+                    generation_id,
+                    exc,
+                    patience,
+                )
+        await asyncio.sleep(0.5)
 
 
 def _coalesced(chunks: list[bytes], index: int, limit: int) -> tuple[bytes, int]:

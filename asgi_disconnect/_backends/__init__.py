@@ -47,8 +47,9 @@ def connect(
 
     Durable backends take ``flush_interval`` (default 0.05 s), ``max_flush_interval``
     (how far the flush window may grow under load; default four flush intervals, at most
-    1 s), ``flush_max_bytes``, ``lease``, ``sweep_interval``, ``ttl`` (default one day)
-    and ``reap_interval``.
+    1 s), ``flush_max_bytes``, ``max_pending_bytes`` (output not yet written, across the
+    process, past which producers wait on the store; default 64 MiB), ``lease``,
+    ``sweep_interval``, ``ttl`` (default one day) and ``reap_interval``.
     Nothing connects until ``open()`` (the middleware calls it at lifespan startup), which
     raises :class:`BackendUnavailable` saying why and what to do if the store cannot be
     opened. A malformed URL or option is a ``ValueError`` at once.

@@ -15,6 +15,7 @@ import msgspec
 
 from .._errors import BackendUnavailable
 from .._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
+from ._bound import PendingBound
 from ._pending import PendingWrites
 from ._tails import StoreTails
 from ._window import FlushWindow, default_ceiling
@@ -170,6 +171,7 @@ class DurableBackend:
         ttl: float = 24 * 3600.0,
         reap_interval: float = 60.0,
         max_pending_usage: int = 100_000,
+        max_pending_bytes: int = 64 << 20,
     ) -> None:
         if not 0 < flush_interval <= 5:
             raise ValueError("flush_interval must be in (0, 5] seconds")
@@ -210,6 +212,9 @@ class DurableBackend:
         self._failures = 0
         self._tails = StoreTails(store, self.url)
         self.on_cancel: Callable[[str], bool] | None = None
+        # Output produced here and not durable yet, across every generation, is bounded:
+        # past ``max_pending_bytes`` the producers wait on the store, never on their clients.
+        self.output = PendingBound(self._pending.pending_bytes, max_pending_bytes, self.url)
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -258,6 +263,7 @@ class DurableBackend:
         if worker is not None:
             worker.cancel()
             await asyncio.gather(worker, return_exceptions=True)
+        self.output.release()  # none waits on a store that is closed
         await self._tails.aclose()
         try:
             while await self.flush():
@@ -333,6 +339,7 @@ class DurableBackend:
 
     def register(self, generation: LiveLog) -> None:
         self._pending.track(generation)
+        generation.hold = self.output  # its producer asks once its log holds a lot
         if not self._opened and self._opening is None:
             # No lifespan ran: open on first use.
             self._opening = asyncio.ensure_future(self._open())
@@ -349,9 +356,11 @@ class DurableBackend:
             try:
                 rows, more = await self._write_pending()
                 while more:
+                    self.output.written()  # producers may be outrunning the store
                     written, more = await self._write_pending()
                     rows += written
                 self._window.observe(loop.time() - started, rows)
+                self.output.written()
                 if started >= next_cancel:
                     if self._pending and self.on_cancel is not None:
                         for generation_id in await self.store.cancel_requests(self.owner):
@@ -378,6 +387,7 @@ class DurableBackend:
                 raise
             except Exception as exc:
                 self._failures += 1
+                self.output.written()
                 if self.failure is not None:
                     pass  # said once, loudly, where it was found
                 elif self._failures == 1 or self._failures % 100 == 0:
