@@ -735,6 +735,14 @@ class GenerationLog(GenerationReader, Protocol):
     def produces(self, generation_id: str) -> bool:
         """Whether this process produces the generation (its live log is the truth)."""
 
+    async def wait_for_size(
+        self, info: GenerationInfo, size: int, timeout: float
+    ) -> GenerationInfo:
+        """``info`` as the store has it once it holds ``size`` bytes of the generation, once
+        the generation ended, or after ``timeout`` seconds; ``info`` itself if it vanished.
+        For a generation another process produces: the waiters of one generation in this
+        process share one wake-up (a notification, a change poll), never a query each."""
+
     # Called with a running generation's id, in the process that produces it, when its
     # owner asked to stop it; True if it was running here. Set by DisconnectMiddleware.
     on_cancel: Callable[[str], bool] | None

@@ -361,16 +361,25 @@ class ResumeEndpoints:
                     break
         return b"".join(parts)[: end - start]
 
-    async def _wait_for_size(self, info: GenerationInfo, offset: int) -> GenerationInfo:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _OFFSET_WAIT
-        while info.size < offset and info.status is Status.RUNNING and loop.time() < deadline:
-            await asyncio.sleep(0.02)
-            latest = await self.backend.get(info.id)
-            if latest is None:
-                break
-            info = latest
-        return info
+    async def _wait_for_size(
+        self, info: GenerationInfo, offset: int, receive: Receive
+    ) -> GenerationInfo | None:
+        """The generation once the store holds ``offset`` bytes, once it ended, or after
+        ``_OFFSET_WAIT``; None if the client left meanwhile."""
+        left = False
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                nonlocal left
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                left = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch_disconnect)
+            info = await self.backend.wait_for_size(info, offset, _OFFSET_WAIT)
+            tg.cancel_scope.cancel()
+        return None if left else info
 
     async def _stream(
         self, scope: Scope, receive: Receive, send: Send, info: GenerationInfo
@@ -391,7 +400,10 @@ class ResumeEndpoints:
             and not self._produced_here(info.id)
         ):
             # The client may have read bytes from the owner that are not durable yet.
-            info = await self._wait_for_size(info, offset)
+            waited = await self._wait_for_size(info, offset, receive)
+            if waited is None:
+                return
+            info = waited
         if offset > info.size:
             shown = "offset" if offset >= _BEYOND else f"offset {offset}"
             await send_problem(

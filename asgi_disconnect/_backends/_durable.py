@@ -502,6 +502,19 @@ class DurableBackend:
         async for data in self._tails.follow(generation_id, offset):
             yield data
 
+    async def wait_for_size(
+        self, info: GenerationInfo, size: int, timeout: float
+    ) -> GenerationInfo:
+        generation = self._pending.live(info.id)
+        if generation is not None:
+            return generation.info()
+        await self._ensure_open()
+        # The generation's tail, shared with its other readers, watches the store for it.
+        state = await self._tails.wait_for_size(info.id, size, timeout)
+        if state is None:
+            return info
+        return msgspec.structs.replace(info, status=Status(state[0]), size=state[1])
+
     @property
     def failure(self) -> str | None:
         """Why the store refuses every write from now on (its file was deleted), or None."""

@@ -379,6 +379,13 @@ class MemoryBackend:
         generation = self._live(generation_id)
         return None if generation is None else generation.info()
 
+    async def wait_for_size(
+        self, info: GenerationInfo, size: int, timeout: float
+    ) -> GenerationInfo:
+        """No other process writes here: the generation as it is, at once."""
+        generation = self._live(info.id)
+        return info if generation is None else generation.info()
+
     async def principal_of(self, generation_id: str) -> str | None:
         generation = self._live(generation_id)
         return None if generation is None else generation.principal

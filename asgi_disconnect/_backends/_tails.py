@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -41,12 +42,24 @@ class _Tail:
     piece reads the store on its own until it catches up.
     """
 
-    __slots__ = ("end", "error", "final", "gone", "piece", "readers", "ready", "start", "waiters")
+    __slots__ = (
+        "end",
+        "error",
+        "final",
+        "gone",
+        "piece",
+        "readers",
+        "ready",
+        "start",
+        "state",
+        "waiters",
+    )
 
     def __init__(self) -> None:
         self.start = 0  # the latest piece spans [start, end)
         self.end = 0
         self.piece = b""
+        self.state = ("running", 0)  # (status, size) as the store last gave them
         self.ready = False  # the first look at the store is done
         self.final = False  # it ended and every byte of it was read
         self.gone = False  # unknown or expired
@@ -84,19 +97,11 @@ class StoreTails:
 
     async def follow(self, generation_id: str, offset: int) -> AsyncGenerator[bytes, None]:
         """The generation's bytes from ``offset`` as the store gains them, to its end."""
-        entry = self._following.get(generation_id)
-        if entry is None or entry[0].error is not None:
-            tail = _Tail()
-            task = asyncio.ensure_future(self._poll(generation_id, tail))
-            entry = self._following[generation_id] = (tail, task)
-        tail, task = entry
-        tail.readers += 1
+        entry = self._join(generation_id)
+        tail = entry[0]
         try:
             while True:
-                if tail.error is not None:
-                    raise BackendUnavailable(
-                        f"following {generation_id} in {self._url} failed: {tail.error}"
-                    ) from tail.error
+                self._check(generation_id, tail)
                 if not tail.ready:
                     data = b""
                 elif tail.start <= offset < tail.end:
@@ -116,10 +121,52 @@ class StoreTails:
                     return
                 await tail.changed()
         finally:
-            tail.readers -= 1
-            if not tail.readers and self._following.get(generation_id) is entry:
-                del self._following[generation_id]
-                task.cancel()
+            self._leave(generation_id, entry)
+
+    async def wait_for_size(
+        self, generation_id: str, size: int, timeout: float
+    ) -> tuple[str, int] | None:
+        """(status, size) once the store holds ``size`` bytes of the generation, once it
+        ended, or after ``timeout`` seconds; None if it is unknown or expired. Waiting costs
+        no query of its own: the generation's tail looks at the store for every reader."""
+        entry = self._join(generation_id)
+        tail = entry[0]
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    while not tail.gone and not tail.final:
+                        self._check(generation_id, tail)
+                        if tail.ready and (tail.state[1] >= size or tail.state[0] != "running"):
+                            break
+                        await tail.changed()
+            self._check(generation_id, tail)
+        finally:
+            self._leave(generation_id, entry)
+        return None if tail.gone or not tail.ready else tail.state
+
+    def _join(self, generation_id: str) -> tuple[_Tail, asyncio.Task[None]]:
+        """The generation's tail, started by its first reader, with one more reader."""
+        entry = self._following.get(generation_id)
+        if entry is None or entry[0].error is not None:
+            tail = _Tail()
+            task = asyncio.ensure_future(self._poll(generation_id, tail))
+            entry = self._following[generation_id] = (tail, task)
+        entry[0].readers += 1
+        return entry
+
+    def _leave(self, generation_id: str, entry: tuple[_Tail, asyncio.Task[None]]) -> None:
+        """One reader fewer; the last one stops the tail."""
+        tail, task = entry
+        tail.readers -= 1
+        if not tail.readers and self._following.get(generation_id) is entry:
+            del self._following[generation_id]
+            task.cancel()
+
+    def _check(self, generation_id: str, tail: _Tail) -> None:
+        if tail.error is not None:
+            raise BackendUnavailable(
+                f"following {generation_id} in {self._url} failed: {tail.error}"
+            ) from tail.error
 
     async def _poll(self, generation_id: str, tail: _Tail) -> None:
         """Look at the store for ``tail`` each time it changed; read what it gained, once."""
@@ -135,6 +182,7 @@ class StoreTails:
                         return
                     state = (found[0].status.value, found[0].size)
                 status, size = state
+                moved, tail.state = state != tail.state, state
                 if not tail.ready:
                     # Readers read what is stored so far themselves, from their own offsets.
                     tail.start = tail.end = size
@@ -146,7 +194,10 @@ class StoreTails:
                         break  # expired meanwhile, or rows short of the size
                     tail.start, tail.piece = tail.end, data
                     tail.end += len(data)
+                    moved = False
                     tail.wake()
+                if moved:
+                    tail.wake()  # the size or status changed, no bytes came: tell the waiters
                 # The final status and the last rows are written in one transaction.
                 if status != Status.RUNNING:
                     if tail.end < size:
