@@ -391,6 +391,21 @@ async def test_existing_pool_is_used_and_left_open(postgres_url: str, postgres_d
         await pool.close()
 
 
+async def test_the_memory_backend_answers_a_wait_for_size_at_once() -> None:
+    # No other process writes to it: its generations are as big as they are now.
+    backend = connect("memory://")
+    generation = Generation(GID, principal=TESTER)
+    backend.register(generation)
+    generation.append(b"data: 0\n\n")
+    asked = await backend.get(GID)
+    assert asked is not None
+    generation.append(b"data: 1\n\n")
+    with anyio.fail_after(0.5):
+        info = await backend.wait_for_size(asked, asked.size + 1000, timeout=5.0)
+    assert (info.status, info.size) == (Status.RUNNING, generation.size)
+    generation.finish(Status.COMPLETE)
+
+
 async def test_resume_past_the_durable_size_waits_for_the_flush(sqlite_url: str) -> None:
     writer = durable(sqlite_url, flush_interval=0.3)
     reader = durable(sqlite_url, poll_interval=0.02)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from asgi_disconnect import DisconnectMiddleware, connect
+from asgi_disconnect import DisconnectMiddleware, _resume, connect
 from asgi_disconnect._backends import DurableBackend
 from asgi_disconnect._log import Generation, Status
 from asgi_disconnect.testing import drive
@@ -264,3 +264,172 @@ async def test_a_client_that_leaves_stops_following_at_once(
     await asyncio.sleep(10 * POLL)
     assert len(statements.about(generation.id)) <= 1
     generation.finish(Status.COMPLETE)
+
+
+# -- readers past the stored end ------------------------------------------------------
+
+
+def is_lookup(sql: str) -> bool:
+    """A generation's row read by id: a request's own ``principal_of`` and ``get``, or a
+    tail's look at the store."""
+    return "asgi_disconnect_generations" in sql and "where id = " in sql and "principal" in sql
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database(request: pytest.FixtureRequest) -> tuple[str, str | None]:
+    """A database URL, and the DSN of its server on PostgreSQL."""
+    if request.param == "sqlite":
+        return str(request.getfixturevalue("sqlite_url")), None
+    return str(request.getfixturevalue("postgres_url")), str(
+        request.getfixturevalue("postgres_dsn")
+    )
+
+
+@pytest.fixture
+async def counted(
+    database: tuple[str, str | None], statements: Statements
+) -> AsyncIterator[tuple[DurableBackend, DurableBackend]]:
+    """Two replicas on one database (SQLite, then PostgreSQL): a writer flushed by hand, and a
+    reader whose every statement ``statements`` records, generation ids included."""
+    import asyncpg
+
+    url, dsn = database
+    pool = None
+    if dsn is None:
+        reader = durable(url, poll_interval=POLL, init=statements.trace)
+    else:
+
+        async def init(conn: asyncpg.Connection) -> None:
+            conn.add_query_logger(
+                lambda record: statements.ran.append(f"{record.query} {record.args}")
+            )
+
+        async def rollback(conn: asyncpg.Connection) -> None:
+            # As the store's own pool: no reset query on release, which would count.
+            if conn.is_in_transaction():
+                await conn.execute("rollback")
+
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4, init=init, reset=rollback)
+        reader = durable("postgresql://", pool=pool, schema=url.rsplit("schema=", 1)[1])
+    writer = durable(url, flush_interval=5.0, lease=30.0)  # flushed by hand below
+    await writer.open()
+    await reader.open()
+    yield writer, reader
+    await reader.aclose()
+    if pool is not None:
+        await pool.close()
+    await writer.aclose()
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(POLL / 4)
+
+
+async def test_readers_past_the_stored_end_cost_queries_per_change_not_per_reader(
+    counted: tuple[DurableBackend, DurableBackend], statements: Statements
+) -> None:
+    writer, reader = counted
+    generation = Generation("gen_" + "W" * 24, principal=TESTER)
+    writer.register(generation)
+    generation.append(b"data: 0\n\n")
+    await settle(writer)
+    changes = 10
+    events = [b"data: %d\n\n" % n for n in range(1, changes + 1)]
+    # Clients that read the next ten events from the owner, and some that read further.
+    target = generation.size + len(b"".join(events))
+    beyond = target + 1000
+    mw = DisconnectMiddleware(sse_app(Probe()), backend=reader, principal=as_tester)
+    path = f"/generations/{generation.id}/stream"
+    loop = asyncio.get_running_loop()
+    statements.ran.clear()
+    started = loop.time()
+    waiting = [
+        asyncio.ensure_future(drive(mw, path=path, query_string=b"offset=%d" % offset))
+        for offset in [target] * 100 + [beyond] * 10
+    ]
+    async with asyncio.timeout(20):
+        # Every request has read the generation's row twice (its owner, then its status).
+        await wait_until(lambda: sum(map(is_lookup, statements.ran)) >= 2 * len(waiting))
+        mark, window = statements.count, loop.time()
+        # The owner stores nine events, one flush (one change, one NOTIFY) at a time, 50 ms
+        # apart; none of them reaches what the readers wait for.
+        for event in events[:-1]:
+            generation.append(event)
+            await settle(writer)
+            await asyncio.sleep(0.05)
+        assert not any(request.done() for request in waiting)
+        ran, intervals = statements.count - mark, (loop.time() - window) / POLL
+        # The tenth reaches the target: the first hundred get their bytes, live.
+        generation.append(events[-1])
+        await settle(writer)
+        # The rest wait out the bound, then are told what is stored.
+        answered = await asyncio.gather(*waiting[100:])
+        waited = loop.time() - started
+        generation.append(b"data: the rest\n\n")
+        generation.finish(Status.COMPLETE)
+        await settle(writer)
+        streamed = await asyncio.gather(*waiting[:100])
+    # While 110 readers waited: a few statements per change and per poll interval (SQLite's
+    # change poller) for all of them. A query per reader every 20 ms was 2,500 here.
+    assert ran <= 4 * len(events) + intervals + 6, statements.ran[mark:]
+    assert all(result.status == 200 for result in streamed)
+    assert all(result.body == b"data: the rest\n\n" for result in streamed)
+    assert all(result.status == 416 for result in answered)
+    assert all(result.header("content-range") == f"bytes */{target}" for result in answered)
+    assert _resume._OFFSET_WAIT <= waited < _resume._OFFSET_WAIT + 3
+
+
+async def test_a_reader_past_the_stored_end_that_leaves_stops_waiting(
+    counted: tuple[DurableBackend, DurableBackend], statements: Statements
+) -> None:
+    writer, reader = counted
+    generation = Generation("gen_" + "V" * 24, principal=TESTER)
+    writer.register(generation)
+    generation.append(b"data: 0\n\n")
+    await settle(writer)
+    mw = DisconnectMiddleware(sse_app(Probe()), backend=reader, principal=as_tester)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    result = await drive(
+        mw,
+        path=f"/generations/{generation.id}/stream",
+        query_string=b"offset=%d" % (generation.size + 10),
+        disconnect_after_seconds=0.3,
+    )
+    assert result.disconnected
+    assert result.status is None
+    assert loop.time() - started < _resume._OFFSET_WAIT / 2
+    # Its tail stopped with it: nothing asks the store about the generation any more (one
+    # look may have been under way as it left), over more than a PostgreSQL poll interval.
+    statements.ran.clear()
+    await asyncio.sleep(1.5)
+    assert len(statements.about(generation.id)) <= 1
+    generation.finish(Status.COMPLETE)
+
+
+async def test_a_reader_past_the_stored_end_of_a_generation_that_ends_short_is_416_then(
+    counted: tuple[DurableBackend, DurableBackend],
+) -> None:
+    writer, reader = counted
+    generation = Generation("gen_" + "U" * 24, principal=TESTER)
+    writer.register(generation)
+    generation.append(b"data: 0\n\n")
+    await settle(writer)
+    mw = DisconnectMiddleware(sse_app(Probe()), backend=reader, principal=as_tester)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    asked = asyncio.ensure_future(
+        drive(
+            mw,
+            path=f"/generations/{generation.id}/stream",
+            query_string=b"offset=%d" % (generation.size + 100),
+        )
+    )
+    generation.append(b"data: last\n\n")
+    generation.finish(Status.COMPLETE)
+    await settle(writer)
+    result = await asked
+    assert loop.time() - started < _resume._OFFSET_WAIT / 2
+    assert result.status == 416
+    assert result.header("content-range") == f"bytes */{generation.size}"
