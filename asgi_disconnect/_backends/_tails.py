@@ -59,7 +59,8 @@ class _Tail:
         self.start = 0  # the latest piece spans [start, end)
         self.end = 0
         self.piece = b""
-        self.state = ("running", 0)  # (status, size) as the store last gave them
+        # (status, size) as the store last gave them
+        self.state: tuple[str, int] = (Status.RUNNING.value, 0)
         self.ready = False  # the first look at the store is done
         self.final = False  # it ended and every byte of it was read
         self.gone = False  # unknown or expired
@@ -136,7 +137,8 @@ class StoreTails:
                 async with asyncio.timeout(timeout):
                     while not tail.gone and not tail.final:
                         self._check(generation_id, tail)
-                        if tail.ready and (tail.state[1] >= size or tail.state[0] != "running"):
+                        status, stored = tail.state
+                        if tail.ready and (stored >= size or status != Status.RUNNING):
                             break
                         await tail.changed()
             self._check(generation_id, tail)
