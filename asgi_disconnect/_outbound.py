@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from starlette.types import Message, Scope, Send
 
-    from ._contract import RequestState
+    from ._contract import RequestState, StoreRoom
     from ._disconnect import DisconnectMiddleware
     from ._reader import RequestReader
     from ._transport import ConnectionWatch, TransportMonitor
@@ -219,6 +219,7 @@ class Outbound:
         "head",
         "held",
         "held_body",
+        "hold",
         "keep_alive",
         "mw",
         "observe",
@@ -250,6 +251,7 @@ class Outbound:
         self.reader = reader
         self.writer: ClientWriter | None = None
         self.generation: Generation | None = None
+        self.hold: StoreRoom | None = None  # Generation.hold, read once (a slot per chunk)
         self.head: Any = ()  # the response's headers, as the app sent them
         # Not a generation (not an LLM exchange): its messages go straight to the server.
         self.passthrough = False
@@ -311,9 +313,9 @@ class Outbound:
                         and not live.reads_back
                     ):
                         await writer.room(self.mw.max_lag_bytes // 2)
-                    # 2097152 is HOLD_CHECK: the store may be behind; past its bound, wait on it.
-                    if live.size - live.base > 2097152 and live.hold is not None:
-                        await live.hold.room()
+                    hold = self.hold  # the store may be behind (2097152 is HOLD_CHECK)
+                    if hold is not None and live.size - live.base > 2097152:
+                        await hold.room()
                     return
             await self._body(message, body, more_body, writer)
         elif kind == "http.response.start":
@@ -322,9 +324,8 @@ class Outbound:
             await self._other(kind, message)
 
     async def _hand(self, writer: ClientWriter, generation: Generation) -> None:
-        """The writer takes what was appended. On the memory backend a client that reads
-        slower than the app produces makes it wait once ``max_lag_bytes`` behind (a durable
-        store gives the writer the client's backlog: no wait)."""
+        """The writer takes what was appended; on the memory backend a client ``max_lag_bytes``
+        behind makes the app wait (a durable store gives the writer the backlog)."""
         if writer.direct:
             writer.pump()
             return
@@ -363,8 +364,8 @@ class Outbound:
                     generation.append(body[start : start + MESSAGE_BYTES])
         if not more_body:
             self._end_body(generation)
-        elif generation.size - generation.base > HOLD_CHECK and generation.hold is not None:
-            await generation.hold.room()  # the store is behind: wait on it, not the client
+        elif self.hold is not None and generation.size - generation.base > HOLD_CHECK:
+            await self.hold.room()  # the store is behind: wait on it, not on the client
         if self.client_gone:
             return
         if writer is not None:
@@ -559,13 +560,13 @@ class Outbound:
         if state.policy is not None:
             generation.policy = state.policy.value
             generation.detached = state.detached
-        # What the client has not received yet stays in memory (see Generation.release),
-        # unless the store can give it back to the client writer.
+        # What the client has not received stays in memory, unless the store gives it back.
         generation.reader = state
         generation.reads_back = self.mw.reads_back
         self.generation = state.generation = generation
         backend = state.log_store = self.mw.backend
         backend.register(generation)
+        self.hold = generation.hold
         self.owner.running_as(generation.id)
         if message.get("trailers"):
             self.expect_trailers = True

@@ -112,6 +112,7 @@ class ClientWriter:
         "note",
         "on_done",
         "on_lost",
+        "reads_back",
         "send",
         "sent_index",
         "state",
@@ -135,6 +136,7 @@ class ClientWriter:
         self.send = send
         self.eager = EAGER_SENDS
         self.generation = generation
+        self.reads_back = generation.reads_back  # a backlog may be in the store only then
         self.state = state
         self.expect_trailers = expect_trailers
         self.on_lost = on_lost
@@ -418,7 +420,7 @@ class ClientWriter:
                     self.deadline.disarm()
                     self.sent(message, size, count)
                     continue
-                if self.sent_index < generation.base_index and self.delivery is _OPEN:
+                if self.reads_back and self.sent_index < generation.base_index:
                     # What the client has yet to receive left memory (a durable store has
                     # it, see Generation.reads_back): read it back from there.
                     await send_backlog(self, loop)
