@@ -175,8 +175,13 @@ class DurableBackend:
     ) -> None:
         if not 0 < flush_interval <= 5:
             raise ValueError("flush_interval must be in (0, 5] seconds")
+        if lease <= 3 * flush_interval:
+            raise ValueError("lease must be longer than three flush intervals")
         if max_flush_interval is None:
-            max_flush_interval = default_ceiling(flush_interval)
+            # The window never grows past what a short lease allows (see below).
+            max_flush_interval = max(
+                flush_interval, min(default_ceiling(flush_interval), lease / 4)
+            )
         if not flush_interval <= max_flush_interval <= 5:
             raise ValueError("max_flush_interval must be in [flush_interval, 5] seconds")
         if flush_max_bytes <= 0:

@@ -167,3 +167,12 @@ async def test_a_burst_grows_the_window_and_idleness_shrinks_it_back(sqlite_url:
             assert info.size == generation.size, "a grown window loses nothing"
     finally:
         await reader.aclose()
+
+
+def test_a_short_lease_keeps_the_default_ceiling_under_a_quarter_of_it(sqlite_url: str) -> None:
+    backend = connect(sqlite_url, lease=0.6)
+    assert isinstance(backend, DurableBackend)
+    assert backend.max_flush_interval == pytest.approx(0.15)
+    assert backend.flush_window == backend.flush_interval == 0.05
+    with pytest.raises(ValueError, match="lease must be longer"):
+        connect(sqlite_url, lease=0.15)
