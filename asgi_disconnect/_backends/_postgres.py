@@ -309,8 +309,14 @@ class PostgresStore:
                 )
             if batch.finished:
                 await self._finished(conn, batch)
-            for payload in _notifications(sorted(batch.touched())):
-                await conn.execute("select pg_notify($1, $2)", self.channel, payload)
+            payloads = _notifications(sorted(batch.touched()))
+            if payloads:
+                # Every payload in one statement: one round trip per flush, not one each.
+                await conn.execute(
+                    "select pg_notify($1, payload) from unnest($2::text[]) as payload",
+                    self.channel,
+                    payloads,
+                )
 
     async def _created(self, conn: asyncpg.Connection, batch: FlushBatch) -> None:
         rows = batch.created
