@@ -62,9 +62,8 @@ _HEADER = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
 _REQUEST = struct.Struct("=IHHIIBBBxI2s2s16s16sIII")  # nlmsghdr + inet_diag_req_v2
 _MESSAGE = struct.Struct("=BBBB2s2s16s16sIIIIIIII")  # inet_diag_msg
 _ATTRIBUTE = struct.Struct("=HH")  # rtattr: len, type
-# struct tcp_info: tcpi_probes at 3, tcpi_unacked at 24, tcpi_last_ack_recv at 56,
-# tcpi_bytes_acked at 120.
-_TCP_INFO = struct.Struct("=3xB20xI28xI60xQ")
+# struct tcp_info: tcpi_unacked at 24, tcpi_last_ack_recv at 56, tcpi_bytes_acked at 120.
+_TCP_INFO = struct.Struct("=24xI28xI60xQ")
 
 
 class TcpSample(NamedTuple):
@@ -78,18 +77,6 @@ class TcpSample(NamedTuple):
     """Bytes written to the kernel and not acknowledged yet, sent or not."""
     last_ack_ms: int
     """Milliseconds since the peer's last acknowledgement."""
-    in_flight: int = 0
-    """Segments sent and not acknowledged yet (``tcpi_unacked``)."""
-    probes: int = 0
-    """Probes sent and not answered (``tcpi_probes``: zero-window or keep-alive)."""
-
-    @property
-    def window_shut(self) -> bool:
-        """Bytes wait, none is in flight, and the peer answered the last zero-window probe:
-        its receive window is shut and it is alive, a reader that paused. Its last
-        acknowledgement grows old only because the probes back off (to minutes); that is
-        lagging (``max_lag_seconds``), not silence."""
-        return self.queued > 0 and self.in_flight == 0 and self.probes == 0
 
     @property
     def written(self) -> int:
@@ -168,10 +155,8 @@ class SockDiag:
             if size < _ATTRIBUTE.size:
                 break
             if attribute == _INET_DIAG_INFO and size - _ATTRIBUTE.size >= _TCP_INFO.size:
-                probes, unacked, last_ack, acked = _TCP_INFO.unpack_from(
-                    reply, offset + _ATTRIBUTE.size
-                )
-                return TcpSample(state, acked, queued, last_ack, unacked, probes)
+                _, last_ack, acked = _TCP_INFO.unpack_from(reply, offset + _ATTRIBUTE.size)
+                return TcpSample(state, acked, queued, last_ack)
             offset += (size + 3) & ~3
         # A time-wait socket has no tcp_info: both ends closed, everything acknowledged.
         return TcpSample(state, -1, 0, 0)
@@ -527,7 +512,6 @@ class TransportMonitor:
             and sample.queued
             and sample.last_ack_ms >= self.client_timeout * 1000
             and watch.sizes
-            and not sample.window_shut
         ):
             self._dead(watch)
 

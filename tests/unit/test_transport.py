@@ -322,14 +322,3 @@ async def test_the_listener_scan_never_runs_on_the_event_loop(
             while len(scans) == scanned:
                 await asyncio.sleep(0.01)
     assert not any(scans), scans
-
-
-def test_a_shut_window_whose_probes_are_answered_is_alive_and_unanswered_ones_are_not() -> None:
-    # Bytes wait, none in flight, the last zero-window probe answered: a reader that paused.
-    paused = TcpSample(1, 1000, 5000, 60_000, 0, 0)
-    assert paused.window_shut
-    # A probe not answered, or segments in flight that nobody acknowledges: no such reader.
-    assert not TcpSample(1, 1000, 5000, 60_000, 0, 1).window_shut
-    assert not TcpSample(1, 1000, 5000, 60_000, 3, 0).window_shut
-    # Nothing waits: nothing to judge.
-    assert not TcpSample(1, 1000, 0, 60_000, 0, 0).window_shut
