@@ -204,7 +204,7 @@ class DisconnectMiddleware:
         self.max_lag_bytes = max_lag_bytes
         # A durable store gives back what memory released: a lagging client's backlog is
         # read there, so the producer never waits on its client (Generation.reads_back).
-        self.reads_back = self.backend.flush_interval is not None
+        self.reads_back = max_lag_bytes if self.backend.flush_interval is not None else 0
         self.max_lag_seconds = max_lag_seconds
         self.shutdown_timeout = shutdown_timeout
         self.keep_alive = keep_alive

@@ -76,10 +76,10 @@ class Generation:
     base_index = 0
     # Where the exchange's own frames (an error frame, say) began: the app's output ends there.
     frames_at: int | None = None
-    # True when the store that flushes this log can give back what memory released, so the
-    # request's own client writer reads its backlog there (a durable backend): memory lets
-    # go of what is stored whatever the client has received.
-    reads_back = False
+    # With a store that gives back what memory released (a durable backend): how much of
+    # its client's backlog memory keeps (``max_lag_bytes``); older stored bytes are let go
+    # and the client writer reads them back there. 0: what the client has not received stays.
+    reads_back = 0
     # Set by a durable store, which bounds the output waiting for it across the process
     # (``max_pending_bytes``): a producer whose log holds more than HOLD_CHECK bytes not
     # let go (the store is behind) awaits ``hold.room()``, which returns at once under it.
@@ -178,12 +178,15 @@ class Generation:
 
     def stored(self, offset: int) -> None:
         """A store has the bytes before ``offset``: free those no reader in this process
-        needs. Readers behind read the store; so does the request's own client when the
-        store can give them back (``reads_back``), else what it has not received stays; a
+        needs. Readers behind read the store; so does the request's own client for what is
+        more than ``reads_back`` behind the log's end, else what it has not received stays; a
         detached generation's client is gone."""
         reader = self.reader
-        if reader is not None and not self.detached and not self.reads_back:
-            offset = min(offset, reader.delivered_bytes)
+        if reader is not None and not self.detached:
+            kept = reader.delivered_bytes
+            if self.reads_back:
+                kept = max(kept, self.size - self.reads_back)
+            offset = min(offset, kept)
         if offset > self.base:
             self.release(offset)
 

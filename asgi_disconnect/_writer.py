@@ -136,7 +136,7 @@ class ClientWriter:
         self.send = send
         self.eager = EAGER_SENDS
         self.generation = generation
-        self.reads_back = generation.reads_back  # a backlog may be in the store only then
+        self.reads_back = bool(generation.reads_back)  # a backlog may be in the store then
         self.state = state
         self.expect_trailers = expect_trailers
         self.on_lost = on_lost

@@ -26,6 +26,7 @@ SCHEMA_VERSION = 1
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 _QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*")
 _NOTIFY_PAYLOAD = 7000
+_NOTIFY_ALL = "select pg_notify($1, payload) from unnest($2::text[]) as payload"
 
 
 async def _close_pool(pool: Any) -> None:
@@ -309,14 +310,8 @@ class PostgresStore:
                 )
             if batch.finished:
                 await self._finished(conn, batch)
-            payloads = _notifications(sorted(batch.touched()))
-            if payloads:
-                # Every payload in one statement: one round trip per flush, not one each.
-                await conn.execute(
-                    "select pg_notify($1, payload) from unnest($2::text[]) as payload",
-                    self.channel,
-                    payloads,
-                )
+            if payloads := _notifications(sorted(batch.touched())):  # one statement for all
+                await conn.execute(_NOTIFY_ALL, self.channel, payloads)
 
     async def _created(self, conn: asyncpg.Connection, batch: FlushBatch) -> None:
         rows = batch.created
