@@ -478,11 +478,12 @@ class RequestState:
         """How the exchange goes so far (``ending`` None until it ends): what a middleware
         reads of it before :meth:`on_end`, never the fields DisconnectMiddleware writes."""
         outcome = self.outcome
-        if outcome is not None:
-            return outcome
+        return self._outcome(None) if outcome is None else outcome
+
+    def _outcome(self, ending: Ending | None) -> Outcome:
         generation = self.generation
         return Outcome(
-            None,
+            ending,
             self.policy,
             self.detached,
             self.delivered_bytes,
@@ -511,18 +512,8 @@ class RequestState:
             return
         self._finalizers = None
         self.ending = ending
+        outcome = self.outcome = self._outcome(ending)
         generation = self.generation
-        outcome = self.outcome = Outcome(
-            ending,
-            self.policy,
-            self.detached,
-            self.delivered_bytes,
-            self.delivery,
-            0 if generation is None else generation.size,
-            self.disconnect_reason,
-            self.response_status if generation is None else generation.status_code,
-            self.idempotency,
-        )
         # No reference cycle outlives the request (the garbage collector would have to find
         # it): the generation's reader, DisconnectMiddleware's send, metering's observer.
         self.app_send = self.message_hook = None
