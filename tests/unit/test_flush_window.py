@@ -88,6 +88,8 @@ def test_a_ceiling_below_the_interval_is_refused() -> None:
         ({"flush_interval": 0.05, "max_flush_interval": 0.04}, "max_flush_interval"),
         ({"max_flush_interval": 6.0, "lease": 30.0}, "max_flush_interval"),
         ({"max_flush_interval": 2.0, "lease": 5.0}, "lease must be longer"),
+        ({"max_pending_bytes": 0}, "max_pending_bytes must be positive"),
+        ({"max_pending_bytes": -1}, "max_pending_bytes must be positive"),
     ],
 )
 def test_bad_window_options_are_clear_errors(
