@@ -85,13 +85,15 @@ create index if not exists asgi_disconnect_claims_expiry on asgi_disconnect_clai
 create index if not exists asgi_disconnect_claims_process
     on asgi_disconnect_claims (process, status);
 create index if not exists asgi_disconnect_claims_owner on asgi_disconnect_claims (owner);
+-- A rowid table: a flush's rows land together at its end, so a flush of many
+-- generations dirties a few pages, not one per generation (a primary key on the position
+-- would cluster each generation's rows apart: about twice the cost per flush).
 create table if not exists asgi_disconnect_chunks (
     generation_id text not null,
     start integer not null,
     data blob not null,
-    sizes blob not null,
-    primary key (generation_id, start)
-) without rowid;
+    sizes blob not null
+);
 create table if not exists asgi_disconnect_pins (
     principal text not null,
     session_id text not null,
@@ -258,6 +260,7 @@ class SQLiteStore:
                     "alter table asgi_disconnect_generations "
                     "add column cancel_requested integer not null default 0"
                 )
+            _index_chunks(db)
             columns = {row[1] for row in db.execute("pragma table_info(asgi_disconnect_usage)")}
             if "request_id" not in columns:
                 # A table made before usage rows had a request id: add it, in place.
@@ -643,6 +646,19 @@ class _ChangePoller:
                 for seen, waiter in list(waiting):
                     if (states is None or seen != state) and not waiter.done():
                         waiter.set_result(state)
+
+
+def _index_chunks(db: sqlite3.Connection) -> None:
+    """Index the chunks by position; a file made before keeps its table, clustered on the
+    position already (``without rowid``), which needs no index."""
+    (sql,) = db.execute(
+        "select sql from sqlite_master where type = 'table' and name = 'asgi_disconnect_chunks'"
+    ).fetchone()
+    if "without rowid" not in sql.lower():
+        db.execute(
+            "create unique index if not exists asgi_disconnect_chunks_position "
+            "on asgi_disconnect_chunks (generation_id, start)"
+        )
 
 
 def _request_cancel(generation_id: str, db: sqlite3.Connection) -> bool:
