@@ -296,11 +296,19 @@ class PostgresStore:
     # -- writes ---------------------------------------------------------------------
 
     async def flush(self, batch: FlushBatch) -> None:
+        payloads = _notifications(sorted(batch.touched()))
+        if not (batch.created or batch.changed or batch.usage or batch.finished):
+            # The steady state, new chunks only: one statement (one round trip, atomic).
+            args = _chunk_arrays(batch.chunks)
+            await self.pool.execute(self._sql["append"], *args, self.channel, payloads)
+            return
         async with self.pool.acquire(timeout=10) as conn, conn.transaction():
             if batch.created:
                 await self._created(conn, batch)
             if batch.chunks:
-                await self._chunks(conn, batch)
+                args = _chunk_arrays(batch.chunks)
+                await conn.execute(self._sql["chunks"], *args[:4])
+                await conn.execute(self._sql["sizes"], *args[4:])
             if batch.changed:
                 await self._changed(conn, batch)
             if batch.usage:
@@ -310,7 +318,7 @@ class PostgresStore:
                 )
             if batch.finished:
                 await self._finished(conn, batch)
-            if payloads := _notifications(sorted(batch.touched())):  # one statement for all
+            if payloads:  # one statement for all
                 await conn.execute(_NOTIFY_ALL, self.channel, payloads)
 
     async def _created(self, conn: asyncpg.Connection, batch: FlushBatch) -> None:
@@ -327,18 +335,6 @@ class PostgresStore:
             batch.lease,
             [r[6] for r in rows],
         )
-
-    async def _chunks(self, conn: asyncpg.Connection, batch: FlushBatch) -> None:
-        rows = batch.chunks
-        await conn.execute(
-            self._sql["chunks"],
-            [r[0] for r in rows],
-            [r[1] for r in rows],
-            [r[2] for r in rows],
-            [r[3] for r in rows],
-        )
-        ends = {generation_id: start + len(data) for generation_id, start, data, _ in rows}
-        await conn.execute(self._sql["sizes"], list(ends), list(ends.values()))
 
     async def _changed(self, conn: asyncpg.Connection, batch: FlushBatch) -> None:
         rows = batch.changed
@@ -617,6 +613,18 @@ def _statements(t: str) -> dict[str, str]:
             update {t}generations g set size = r.size
             from unnest($1::text[], $2::bigint[]) as r(id, size)
             where g.id = r.id and g.size < r.size""",
+        # "chunks", "sizes" and the notifications at once: each part runs exactly once.
+        "append": f"""
+            with written as (
+                insert into {t}chunks (generation_id, start, data, sizes)
+                select * from unnest($1::text[], $2::bigint[], $3::bytea[], $4::bytea[])
+                on conflict do nothing
+            ), sized as (
+                update {t}generations g set size = r.size
+                from unnest($5::text[], $6::bigint[]) as r(id, size)
+                where g.id = r.id and g.size < r.size
+            )
+            select pg_notify($7, payload) from unnest($8::text[]) as payload""",
         "changed": f"""
             update {t}generations g set policy = r.policy, detached = r.detached
             from unnest($1::text[], $2::text[], $3::boolean[]) as r(id, policy, detached)
@@ -688,6 +696,19 @@ def _statements(t: str) -> dict[str, str]:
                 (select max(start) from {t}chunks where generation_id = $1 and start <= $2), 0)
             order by start limit $3""",
     }
+
+
+def _chunk_arrays(rows: list[tuple[str, int, bytes, bytes]]) -> tuple[list[Any], ...]:
+    """The chunk rows as the arrays their insert takes, then each generation's new end."""
+    ends = {generation_id: start + len(data) for generation_id, start, data, _ in rows}
+    return (
+        [r[0] for r in rows],
+        [r[1] for r in rows],
+        [r[2] for r in rows],
+        [r[3] for r in rows],
+        list(ends),
+        list(ends.values()),
+    )
 
 
 def _notifications(touched: list[str]) -> list[str]:
