@@ -384,6 +384,23 @@ class DisconnectMiddleware:
         that says to retry after ``retry_after`` seconds."""
         loop = asyncio.get_running_loop()
         await self._until_quiet(deadline)
+        interrupted = self.interrupt(retry_after)
+        if interrupted:
+            logger.warning(
+                "drain deadline reached: %d running generation(s) interrupted", interrupted
+            )
+        await self._until_quiet(loop.time() + _TEARDOWN_TIMEOUT)
+
+    @property
+    def running(self) -> int:
+        """How many generations run in this process now, detached ones included."""
+        return max(len(self._running), len(self.supervisor))
+
+    def interrupt(self, retry_after: int = 1) -> int:
+        """End every generation running here now, as a drain's deadline does: each ends
+        ``interrupted``, what it produced kept and resumable; a stream its client still reads
+        gets an ``event: error`` frame saying to retry after ``retry_after`` seconds. Returns
+        how many were running; a drain or a shutdown waiting on them then goes on at once."""
         tasks = self.supervisor.tasks()
         drained = [
             exchange for exchange in list(self._running.values()) if exchange.drain(retry_after)
@@ -392,12 +409,7 @@ class DisconnectMiddleware:
         tasks = [task for task in tasks if task not in ended and not task.done()]
         for task in tasks:
             task.cancel()  # detached work whose response never started
-        if drained or tasks:
-            logger.warning(
-                "drain deadline reached: %d running generation(s) interrupted",
-                len(drained) + len(tasks),
-            )
-        await self._until_quiet(loop.time() + _TEARDOWN_TIMEOUT)
+        return len(drained) + len(tasks)
 
     async def _until_quiet(self, until: float) -> None:
         """Until no exchange runs here and the supervisor holds no work, or the loop's clock

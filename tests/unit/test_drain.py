@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
 import msgspec
 import pytest
 from starlette.applications import Starlette
@@ -16,6 +17,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from asgi_disconnect import (
+    DisconnectMiddleware,
     DrainMiddleware,
     MemoryBackend,
     UsageRecord,
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.anyio
 EVENT = b'data: {"choices":[{"delta":{"content":"tok"}}]}\n\n'
 DONE = b"data: [DONE]\n\n"
 DRAINING = "urn:asgi-disconnect:problem:draining"
+Part = TypeVar("Part")
 
 
 def app_with(
@@ -82,8 +85,12 @@ def app_with(
 
 def _drain_of(app: Starlette) -> DrainMiddleware:
     app.middleware_stack = app.build_middleware_stack()
+    return _part(app, DrainMiddleware)
+
+
+def _part(app: Starlette, kind: type[Part]) -> Part:
     layer: Any = app.middleware_stack
-    while not isinstance(layer, DrainMiddleware):
+    while not isinstance(layer, kind):
         layer = layer.app
     return layer
 
@@ -174,6 +181,38 @@ async def test_at_the_deadline_streams_get_a_draining_frame_detached_work_is_int
         assert frames(prefix.body)[-1]["type"] == "draining"
     outcomes = sorted(record.outcome for record in records)
     assert outcomes == ["interrupted", "interrupted"]
+
+
+async def test_interrupt_ends_the_running_generations_now_and_the_drain_with_them() -> None:
+    backend = MemoryBackend()
+    app, drain = app_with(backend=backend, deadline=600)
+    disconnect = _part(app, DisconnectMiddleware)
+    async with lifespan(app):
+        assert disconnect.running == 0
+        assert disconnect.interrupt() == 0
+        cut = await drive(
+            app,
+            path="/report",
+            query_string=b"events=100000",
+            disconnect_after_bytes=3 * len(EVENT),
+        )
+        detached_id = cut.header("x-generation-id") or ""
+        stream = asyncio.create_task(drive(app, path="/chat", query_string=b"events=100000"))
+        await eventually(lambda: disconnect.running == 2)
+        drained = asyncio.create_task(drain.drain())
+        await eventually(lambda: drain.draining)
+        assert disconnect.interrupt(retry_after=3) == 2
+        with anyio.fail_after(30):  # the drain's own deadline is 600 s
+            await drained
+            result = await stream
+        assert disconnect.running == 0
+        (frame,) = frames(result.body)
+        assert frame["type"] == "draining"
+        assert frame["retry_after"] == 3
+        detached = await backend.get(detached_id)
+        assert detached is not None
+        assert detached.status == "interrupted"
+        assert detached.size > 3 * len(EVENT)  # the prefix it produced is kept
 
 
 async def test_a_request_without_a_response_at_the_deadline_gets_503_to_retry() -> None:
