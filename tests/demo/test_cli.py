@@ -3,12 +3,16 @@ list, show and tail the generations it stored; bad input gets a clear message an
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -26,9 +30,27 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_for(check: Callable[[], object], what: Callable[[], str], timeout: float = 30) -> None:
+    """Poll ``check`` until it is true; fail with ``what()`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what()
+        time.sleep(0.1)
+
+
+@dataclass
+class DemoProcess:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+
 @contextlib.contextmanager
-def running_demo(*args: str, log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
-    """``asgi-disconnect demo`` with ``args`` on a free port, until the block exits."""
+def demo_process(*args: str, log: Path, env: dict[str, str] | None = None) -> Iterator[DemoProcess]:
+    """``asgi-disconnect demo`` with ``args`` on a free port, ready, until the block exits."""
     port = free_port()
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -38,24 +60,36 @@ def running_demo(*args: str, log: Path, env: dict[str, str] | None = None) -> It
             cwd=log.parent,
             env=env,
         )
+        demo = DemoProcess(proc, f"http://127.0.0.1:{port}", log)
         try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 30
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    httpx.get(url + "/readyz", timeout=1)
-                    break
-                assert proc.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
-            yield url
+
+            def ready() -> bool:
+                assert proc.poll() is None, demo.output()
+                try:
+                    httpx.get(demo.url + "/readyz", timeout=1)
+                except httpx.HTTPError:
+                    return False
+                return True
+
+            wait_for(ready, demo.output)
+            yield demo
         finally:
-            proc.terminate()
+            if proc.poll() is None:
+                proc.terminate()
             proc.wait(20)
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, check=False)
+@contextlib.contextmanager
+def running_demo(*args: str, log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """``asgi-disconnect demo`` with ``args`` on a free port, until the block exits."""
+    with demo_process(*args, log=log, env=env) as demo:
+        yield demo.url
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=60, check=False, cwd=cwd
+    )
 
 
 def test_the_demo_serves_its_routes_and_operators_read_them_back(tmp_path: Path) -> None:
@@ -103,6 +137,19 @@ def test_the_demo_serves_its_routes_and_operators_read_them_back(tmp_path: Path)
     tail = cli("generations", "tail", generation_id, "--backend", backend)
     assert tail.returncode == 0
     assert tail.stdout == chat.text
+    size = len(chat.content)
+    rest = cli(
+        "generations", "tail", generation_id, "--offset", str(size - 14), "--backend", backend
+    )
+    assert rest.returncode == 0
+    assert rest.stdout == "data: [DONE]\n\n"
+    past = cli("generations", "tail", generation_id, "--offset", "99999999", "--backend", backend)
+    assert past.returncode == 2
+    assert past.stderr == (
+        f"asgi-disconnect: Offset Out Of Range: offset 99999999 is past the {size} bytes "
+        "produced.\n"
+    )
+    assert past.stdout == ""
     missing = cli("generations", "show", "gen_" + "x" * 24, "--backend", backend)
     assert missing.returncode == 1
     assert "no generation" in missing.stderr
@@ -116,6 +163,172 @@ def test_bad_input_gets_a_clear_message() -> None:
     usage = cli("generations", "frobnicate")
     assert usage.returncode == 2
     assert "invalid choice" in usage.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("generations", "list", "--limit", "-3"), "argument --limit: must be 1 or more, not -3"),
+        (("generations", "list", "--limit", "ten"), "argument --limit: 'ten' is not a whole"),
+        (("generations", "tail", "gen_x", "--offset", "-5"), "--offset: must be 0 or more, not -5"),
+        (("demo", "--port", "70000"), "argument --port: a port is 0 to 65535, not 70000"),
+        (("demo", "--rate", "0"), "argument --rate: must be above 0, not 0"),
+        (("demo", "--tokens", "-1"), "argument --tokens: must be 1 or more, not -1"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_by_the_parser(
+    args: tuple[str, ...], message: str, tmp_path: Path
+) -> None:
+    refused = cli(*args, cwd=tmp_path)
+    assert refused.returncode == 2
+    assert message in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing started, nothing created
+
+
+def test_every_option_of_every_command_says_what_it_is_for() -> None:
+    from asgi_disconnect._cli import parser
+
+    def walk(command: argparse.ArgumentParser, name: str) -> Iterator[tuple[str, argparse.Action]]:
+        for action in command._actions:
+            yield name, action
+            if isinstance(action, argparse._SubParsersAction):
+                for sub_name, sub in action.choices.items():
+                    yield from walk(sub, f"{name} {sub_name}")
+
+    actions = list(walk(parser(), "asgi-disconnect"))
+    without = [
+        f"{name}: {action.option_strings or action.dest}"
+        for name, action in actions
+        if not action.help
+    ]
+    assert without == []
+    commands = {name for name, _ in actions}
+    assert commands == {
+        "asgi-disconnect",
+        "asgi-disconnect demo",
+        "asgi-disconnect generations",
+        "asgi-disconnect generations list",
+        "asgi-disconnect generations show",
+        "asgi-disconnect generations tail",
+    }
+
+
+def test_a_sqlite_file_that_is_not_there_is_refused_not_created(tmp_path: Path) -> None:
+    for args in (("list",), ("show", "gen_x"), ("tail", "gen_x")):
+        missing = cli("generations", *args, cwd=tmp_path)
+        assert missing.returncode == 2
+        assert missing.stderr.startswith(
+            f"asgi-disconnect: no SQLite database at {tmp_path / 'demo-generations.db'}: "
+        )
+        assert "--backend" in missing.stderr
+    elsewhere = tmp_path / "elsewhere.db"
+    named = cli("generations", "list", "--backend", f"sqlite:///{elsewhere}", cwd=tmp_path)
+    assert named.returncode == 2
+    assert f"no SQLite database at {elsewhere}: " in named.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_port_in_use_is_named_with_how_to_pick_another(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = cli("demo", "--port", str(port), cwd=tmp_path)
+    assert busy.returncode == 2
+    assert busy.stdout == ""  # no banner for a demo that does not start
+    assert busy.stderr.startswith(f"asgi-disconnect: port {port} on 127.0.0.1 is taken ")
+    assert f"pick another with --port {port + 1}" in busy.stderr
+    assert "Traceback" not in busy.stderr
+    assert "Errno" not in busy.stderr
+
+
+@pytest.mark.parametrize(
+    ("unimportable", "named"),
+    [
+        (("python_multipart", "multipart"), "python-multipart"),
+        (("fastapi", "uvicorn"), "fastapi, uvicorn"),
+    ],
+)
+def test_the_demo_names_what_is_missing_and_the_one_line_that_installs_it(
+    unimportable: tuple[str, ...], named: str, tmp_path: Path
+) -> None:
+    # As after `pip install asgi-disconnect fastapi uvicorn`: the modules cannot be imported.
+    hide = "".join(f"sys.modules[{name!r}] = None; " for name in unimportable)
+    script = f"import sys; {hide}from asgi_disconnect._cli import main; sys.exit(main())"
+    run = subprocess.run(
+        [sys.executable, "-c", script, "demo", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 2
+    assert run.stdout == ""
+    assert run.stderr == (
+        f"asgi-disconnect: the demo needs {named}, which "
+        f"{'are' if ',' in named else 'is'} not installed: pip install 'asgi-disconnect[demo]'\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_says_what_it_waits_for_and_a_second_one_interrupts_it(tmp_path: Path) -> None:
+    backend = f"sqlite:///{tmp_path / 'demo.db'}"
+    # A report that would run for hours: only an interruption ends it.
+    slow = ("--backend", backend, "--tokens", "100000", "--rate", "5")
+    with demo_process(*slow, log=tmp_path / "demo.log") as demo:
+        received = b""
+        with httpx.stream("POST", f"{demo.url}/v1/reports", json=CHAT, timeout=30) as report:
+            generation_id = report.headers["x-generation-id"]
+            for chunk in report.iter_bytes():
+                received += chunk
+                if received.count(b"\n\n") >= 3:
+                    break
+        # The client has gone; the report goes on, detached.
+        demo.proc.send_signal(signal.SIGINT)
+        wait_for(lambda: "Press Ctrl-C again" in demo.output(), demo.output)
+        assert (
+            "Stopping: 1 generation still running; waiting up to 30 s for it to finish "
+            "(new requests get 503).\n"
+            "Press Ctrl-C again to interrupt it now: what it produced is kept, marked "
+            "interrupted.\n"
+        ) in demo.output()
+        assert demo.proc.poll() is None  # it waits
+        refused = httpx.post(f"{demo.url}/v1/chat/completions", json=CHAT, timeout=30)
+        assert refused.status_code == 503
+        assert refused.json()["type"] == "urn:asgi-disconnect:problem:draining"
+        demo.proc.send_signal(signal.SIGINT)
+        # Well within the 30 s it would otherwise wait (the report alone runs for hours).
+        assert demo.proc.wait(20) == 0
+    output = demo.output()
+    assert "Interrupting 1 generation: what was produced is kept (status interrupted)." in output
+    assert "Traceback" not in output
+
+    shown = cli("generations", "show", generation_id, "--backend", backend)
+    assert shown.returncode == 0, shown.stderr
+    generation = json.loads(shown.stdout)["generation"]
+    assert generation["status"] == "interrupted"
+    assert generation["size"] > len(received)
+    kept = subprocess.run(
+        [*CLI, "generations", "tail", generation_id, "--backend", backend],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert kept.returncode == 0
+    assert kept.stdout.startswith(received)  # the prefix it produced, as the client read it
+    assert b"[interrupted: " in kept.stderr
+
+
+def test_ctrl_c_with_nothing_running_stops_at_once(tmp_path: Path) -> None:
+    with demo_process(
+        "--backend", f"sqlite:///{tmp_path / 'demo.db'}", log=tmp_path / "log"
+    ) as demo:
+        demo.proc.send_signal(signal.SIGINT)
+        assert demo.proc.wait(20) == 0
+    assert "Stopping" not in demo.output()
+    assert "Traceback" not in demo.output()
 
 
 def test_the_demo_proxies_another_upstream_with_the_key_from_the_environment(
