@@ -120,9 +120,11 @@ class DemoServer(uvicorn.Server):
 
     def _interrupt(self) -> None:
         disconnect = self._part(DisconnectMiddleware)
+        drain = self._part(DrainMiddleware)
         if disconnect is None:
             return
-        interrupted = disconnect.interrupt()
+        # A stream still read is told, in its error frame, when to retry: the drain's answer.
+        interrupted = disconnect.interrupt(drain.retry_after if drain is not None else 1)
         if interrupted:
             print(
                 f"Interrupting {_count(interrupted)}: what was produced is kept "

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -319,6 +320,44 @@ def test_ctrl_c_says_what_it_waits_for_and_a_second_one_interrupts_it(tmp_path: 
     assert kept.returncode == 0
     assert kept.stdout.startswith(received)  # the prefix it produced, as the client read it
     assert b"[interrupted: " in kept.stderr
+
+
+def test_a_stream_still_read_at_the_second_ctrl_c_ends_with_a_frame_that_says_why(
+    tmp_path: Path,
+) -> None:
+    backend = f"sqlite:///{tmp_path / 'demo.db'}"
+    slow = ("--backend", backend, "--tokens", "100000", "--rate", "20")
+    with demo_process(*slow, log=tmp_path / "demo.log") as demo:
+        read: list[bytes] = []
+        started = threading.Event()
+
+        def client() -> None:
+            with httpx.stream(
+                "POST", f"{demo.url}/v1/chat/completions", json=CHAT, timeout=60
+            ) as chat:
+                started.set()
+                read.extend(chat.iter_bytes())
+
+        reader = threading.Thread(target=client)
+        reader.start()
+        assert started.wait(30)
+        wait_for(lambda: b"".join(read).count(b"\n\n") >= 2, lambda: repr(read))
+        demo.proc.send_signal(signal.SIGINT)
+        wait_for(lambda: "Press Ctrl-C again" in demo.output(), demo.output)
+        assert "Stopping: 1 generation still running" in demo.output()
+        demo.proc.send_signal(signal.SIGINT)
+        assert demo.proc.wait(20) == 0
+        reader.join(20)
+        assert not reader.is_alive()
+    body = b"".join(read)
+    assert not body.endswith(b"data: [DONE]\n\n")
+    last = body.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    assert last.startswith(b"event: error\ndata: ")
+    error = json.loads(last.split(b"data: ", 1)[1])["error"]
+    assert error["type"] == "draining"
+    assert error["retry_after"] == 5  # the demo's drain says when to come back
+    shown = cli("generations", "show", error["generation_id"], "--backend", backend)
+    assert json.loads(shown.stdout)["generation"]["status"] == "interrupted"
 
 
 def test_ctrl_c_with_nothing_running_stops_at_once(tmp_path: Path) -> None:
