@@ -211,12 +211,12 @@ def _demo(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .demo import make_app
-    from .demo._serve import DemoServer, PortTaken, listen
+    from .demo._serve import CannotListen, DemoServer, listen
     from .testing import FakeProvider
 
     try:
         sock = listen(args.host, args.port)
-    except PortTaken as exc:
+    except CannotListen as exc:
         print(f"asgi-disconnect: {exc}", file=sys.stderr)
         return 2
     with sock:

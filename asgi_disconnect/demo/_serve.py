@@ -24,13 +24,13 @@ if TYPE_CHECKING:
 
     from starlette.applications import Starlette
 
-__all__ = ["DemoServer", "PortTaken", "listen"]
+__all__ = ["CannotListen", "DemoServer", "listen"]
 
 _Part = TypeVar("_Part")
 
 
-class PortTaken(Exception):
-    """The demo's port is in use: the message says which, and how to pick another."""
+class CannotListen(Exception):
+    """The demo cannot listen where asked: the message says why, and what to pass instead."""
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -43,7 +43,7 @@ def listen(host: str, port: int) -> socket.socket:
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
     except socket.gaierror as exc:
-        raise PortTaken(
+        raise CannotListen(
             f"cannot listen on {host!r}: {exc.strerror}; pass --host 127.0.0.1"
         ) from None
     sock = socket.socket(family, kind, proto)
@@ -52,7 +52,7 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        raise PortTaken(
+        raise CannotListen(
             f"port {port} on {host} is taken ({exc.strerror}): another program listens "
             f"there, perhaps a demo still running; pick another with --port {_another(port)}"
         ) from None
