@@ -59,7 +59,11 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--port", type=_port, default=8000, help="the port to listen on (default 8000)"
     )
-    demo.add_argument("--backend", default=None, help=f"backend URL (default {DEFAULT_BACKEND})")
+    demo.add_argument(
+        "--backend",
+        default=None,
+        help=f"backend URL (default $ASGI_DISCONNECT_BACKEND, else {DEFAULT_BACKEND})",
+    )
     demo.add_argument(
         "--upstream",
         default=None,
