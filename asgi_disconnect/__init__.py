@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+import inspect
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._backends import BackendUnavailable, DurableBackend, MemoryBackend, connect
@@ -124,6 +126,13 @@ def install(
             "telemetry must be True or False; pass tracer_provider= / meter_provider= to use "
             "providers of your own"
         )
+    _check_options("install()", options, DisconnectMiddleware, _INSTALL_OPTIONS)
+    for name, nested, middleware in (
+        ("idempotency", idempotency, IdempotencyMiddleware),
+        ("drain", drain, DrainMiddleware),
+    ):
+        if isinstance(nested, Mapping):
+            _check_options(f"install({name}=...)", nested, middleware)
     traced = telemetry or tracer_provider is not None or meter_provider is not None
     if traced:
         from ._telemetry import require_opentelemetry
@@ -171,3 +180,25 @@ def install(
             meter_provider=meter_provider,
             principal=options.get("principal"),
         )
+
+
+# install()'s own keywords; anything else goes to DisconnectMiddleware.
+_INSTALL_OPTIONS = tuple(inspect.signature(install).parameters)[1:-1]
+
+
+def _check_options(
+    where: str, given: Iterable[str], middleware: type, also: Iterable[str] = ()
+) -> None:
+    """Refuse an option ``middleware`` does not take, now rather than at the first request
+    (Starlette builds its middleware stack late), naming the closest one it does take."""
+    known = [
+        name
+        for name, parameter in inspect.signature(middleware).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    known += also
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; one of {', '.join(known)}"
+            raise TypeError(f"{where} got an unknown option {name!r}{hint}")
