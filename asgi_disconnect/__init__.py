@@ -102,6 +102,7 @@ def install(
     reservations: Reservations | None = None,
     tokenizer: Callable[[str], int] = estimate_tokens,
     store_usage: bool = True,
+    request_log: str | None = "text",
     idempotency: bool | Mapping[str, Any] = False,
     drain: bool | Mapping[str, Any] = False,
     telemetry: bool = False,
@@ -114,7 +115,10 @@ def install(
     Outermost first: :class:`DisconnectMiddleware` (``options``: ``backend``, ``policy``,
     ``principal``, ``resume_prefix``, ...), then :class:`MeteringMiddleware` (``sinks``,
     ``provider``, ``reservations``, ``tokenizer``). With ``store_usage`` (the default) each
-    record is also written to the backend's usage table. ``idempotency`` (True, or the
+    record is also written to the backend's usage table. ``request_log``: with each record,
+    one line in the ``asgi_disconnect.requests`` logger at INFO (id, route, policy, how it
+    ended, tokens billed and delivered, usage source, duration): ``"text"`` (the default),
+    ``"json"`` (one object per line) or None. ``idempotency`` (True, or the
     options of :class:`IdempotencyMiddleware`) adds it outside the others, on the same backend.
     ``drain`` (True, or the options of :class:`DrainMiddleware`) adds it outside those, with
     the same ``resume_prefix``. ``telemetry`` (spans and metrics through the global
@@ -159,6 +163,7 @@ def install(
         provider=provider,
         reservations=reservations,
         tokenizer=tokenizer,
+        request_log=request_log,
     )
     app.add_middleware(DisconnectMiddleware, **options)
     if idempotency:

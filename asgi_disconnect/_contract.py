@@ -33,6 +33,8 @@ field                  written by
 ``disconnect_reason``  DisconnectMiddleware, then: ``client`` (the server said it left),
                        ``lag`` (no progress for ``max_lag_seconds``) or ``silent`` (its
                        TCP acknowledged nothing for ``client_timeout``)
+``stopped_by``         DisconnectMiddleware, when something other than its client stopped
+                       the work: ``owner`` (a Stop) or ``drain`` (a drain's deadline)
 ``delivered_bytes``    DisconnectMiddleware's client writer: what it handed to the
                        server; when the exchange ends, what the client's TCP
                        acknowledged where the kernel tells (``delivery``)
@@ -264,6 +266,9 @@ class Outcome(msgspec.Struct, frozen=True, gc=False):
     idempotency: str | None
     """How IdempotencyMiddleware handled the request's key (``fresh``, ``replayed``, ...;
     see :attr:`RequestState.idempotency`); None without one."""
+    stopped_by: str | None = None
+    """What stopped the work, if not its client: ``owner`` (a Stop, ``POST .../cancel``;
+    ``ending`` is ``cancelled``) or ``drain`` (a drain's deadline; ``interrupted``)."""
 
 
 class Closable(Protocol):
@@ -405,6 +410,7 @@ class RequestState:
         "request_body",
         "request_model",
         "response_status",
+        "stopped_by",
         "stream_ending",
         "upstream_usage",
         "upstreams",
@@ -423,6 +429,7 @@ class RequestState:
         self.stream_ending: Callable[[], str | None] | None = None
         self._disconnected: asyncio.Event | None = None
         self.disconnect_reason: str | None = None
+        self.stopped_by: str | None = None
         self.delivered_bytes = 0
         self.delivery = "sent"
         # Set by a DisconnectMiddleware that runs this request, so a second one refuses it.
@@ -492,6 +499,7 @@ class RequestState:
             self.disconnect_reason,
             self.response_status if generation is None else generation.status_code,
             self.idempotency,
+            self.stopped_by,
         )
 
     def on_end(self, callback: Callable[[Outcome], object]) -> None:

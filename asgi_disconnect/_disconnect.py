@@ -888,6 +888,7 @@ class _Exchange:
         outcome.stopped = outcome.cancelled_by_policy = True
         state = self.state
         state.policy = Policy.CANCEL
+        state.stopped_by = "owner"
         generation = self.out.generation
         if generation is not None:
             generation.policy = Policy.CANCEL.value
@@ -903,6 +904,7 @@ class _Exchange:
         self.move(_CANCELLING)
         self.outcome.drained = retry_after
         self.outcome.interrupt_reason = DRAINED
+        self.state.stopped_by = "drain"
         self.mw.counters.drained += 1
         self._cancel_now(runner, "drained")
         return True

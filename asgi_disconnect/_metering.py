@@ -26,6 +26,7 @@ from ._contract import (
 )
 from ._lifecycle import lifecycle_of
 from ._records import UsageRecord
+from ._request_log import REQUESTS, check_format, log_request
 from .metering import WINDOW, StreamMeter, StreamReport, _after_blank_line, analyze, llm_shape
 
 if TYPE_CHECKING:
@@ -156,6 +157,9 @@ class MeteringMiddleware:
     ``finally``; under :class:`DisconnectMiddleware` it is emitted when the exchange is
     over, so ``delivered_bytes`` is final. Sinks and reservations that raise are logged,
     never raised into the request.
+
+    ``request_log``: with each record, one line in the ``asgi_disconnect.requests`` logger
+    at INFO: ``"text"`` (the default), ``"json"`` (one object per line) or None (none).
     """
 
     def __init__(
@@ -166,7 +170,9 @@ class MeteringMiddleware:
         provider: str | Callable[[Scope], str | None] | None = None,
         reservations: Reservations | None = None,
         tokenizer: Callable[[str], int] = estimate_tokens,
+        request_log: str | None = "text",
     ) -> None:
+        self.request_log = check_format(request_log)
         self.app = app
         self.sinks = tuple(sinks)
         self.provider = provider
@@ -270,6 +276,8 @@ class MeteringMiddleware:
         self.records += 1
         if state.usage_pending:
             state.settle_usage(record)
+        if self.request_log is not None and REQUESTS.isEnabledFor(logging.INFO):
+            log_request(self.request_log, record, tee.outcome)
         for waiting in self._to_sinks(record):
             self._queue(waiting)
 
@@ -336,6 +344,8 @@ class MeteringMiddleware:
         self.records += 1
         if state is not None:
             state.settle_usage(record)
+        if self.request_log is not None and REQUESTS.isEnabledFor(logging.INFO):
+            log_request(self.request_log, record, tee.outcome)
         if self.reservations is not None:
             try:
                 await self.reservations.settle(reservation, record)

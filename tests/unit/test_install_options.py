@@ -19,6 +19,10 @@ from asgi_disconnect import MemoryBackend, install
         ),
         ({"sinkz": []}, "install() got an unknown option 'sinkz'; did you mean 'sinks'?"),
         (
+            {"request_logs": "json"},
+            "install() got an unknown option 'request_logs'; did you mean 'request_log'?",
+        ),
+        (
             {"idempotency": {"tll": 60}},
             "install(idempotency=...) got an unknown option 'tll'; did you mean 'ttl'?",
         ),

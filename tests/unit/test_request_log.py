@@ -1,0 +1,106 @@
+"""The request log line of a request its owner stopped, or a drain ended, and the option's
+bad values."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from asgi_disconnect import DrainMiddleware, MemoryBackend, MeteringMiddleware, UsageRecord, install
+from asgi_disconnect.testing import drive
+from asgi_disconnect.testing._driver import lifespan
+from tests.apps import eventually
+
+pytestmark = pytest.mark.anyio
+
+EVENT = b'data: {"choices":[{"delta":{"content":"tok"}}]}\n\n'
+ALICE = [("authorization", "Bearer alice")]
+
+
+def streaming(
+    records: list[UsageRecord], backend: MemoryBackend
+) -> tuple[Starlette, DrainMiddleware]:
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(500):
+            yield EVENT
+            await asyncio.sleep(0.01)
+        yield b"data: [DONE]\n\n"
+
+    async def chat(request: Request) -> StreamingResponse:
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/chat", chat)])
+    install(
+        app,
+        backend=backend,
+        sinks=[records.append],
+        drain={"signals": False, "deadline": 0.2},
+        request_log="json",
+    )
+    app.middleware_stack = app.build_middleware_stack()
+    layer: Any = app.middleware_stack
+    while not isinstance(layer, DrainMiddleware):
+        layer = layer.app
+    return app, layer
+
+
+def lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [
+        json.loads(r.getMessage()) for r in caplog.records if r.name == "asgi_disconnect.requests"
+    ]
+
+
+async def test_a_stopped_generation_is_logged_stopped(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="asgi_disconnect")
+    records: list[UsageRecord] = []
+    backend = MemoryBackend()
+    app, _ = streaming(records, backend)
+    async with lifespan(app):
+        stream = asyncio.create_task(drive(app, path="/chat", headers=ALICE))
+        await eventually(lambda: backend.recent(1), what="the generation")
+        (info,) = await backend.recent(1)
+        generation_id = info.id
+        stop = await drive(
+            app, method="POST", path=f"/generations/{generation_id}/cancel", headers=ALICE
+        )
+        assert stop.status == 200
+        await stream
+        await eventually(lambda: records and lines(caplog), what="the record and its line")
+    (record,) = records
+    (line,) = lines(caplog)
+    assert line["generation_id"] == record.generation_id == generation_id
+    assert line["end"] == "stopped"
+    assert line["policy"] == "cancel"
+    assert line["disconnect_reason"] is None
+    assert line["output_tokens"] == record.output_tokens
+
+
+async def test_a_stream_a_drain_ended_is_logged_drained(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="asgi_disconnect")
+    records: list[UsageRecord] = []
+    app, drain = streaming(records, MemoryBackend())
+    async with lifespan(app):
+        stream = asyncio.create_task(drive(app, path="/chat"))
+        await eventually(lambda: drain.in_flight == 1)
+        await drain.drain()
+        result = await stream
+        await eventually(lambda: records and lines(caplog), what="the record and its line")
+    (line,) = lines(caplog)
+    assert line["generation_id"] == result.header("x-generation-id")
+    assert line["end"] == "drained"
+    assert records[0].outcome == "interrupted"
+
+
+@pytest.mark.parametrize("value", ["yes", "JSON", True, 1])
+def test_a_request_log_that_is_no_format_is_refused(value: Any) -> None:
+    with pytest.raises(ValueError, match="request_log must be 'text', 'json' or None"):
+        MeteringMiddleware(Starlette(), request_log=value)
