@@ -215,6 +215,7 @@ def _demo(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .demo import make_app
+    from .demo._logging import log_config
     from .demo._serve import CannotListen, DemoServer, listen
     from .testing import FakeProvider
 
@@ -260,7 +261,7 @@ def _demo(args: argparse.Namespace) -> int:
             f"Ctrl-C stops it.",
             flush=True,
         )
-        server = DemoServer(uvicorn.Config(app, log_level="warning"), app)
+        server = DemoServer(uvicorn.Config(app, log_level="warning", log_config=log_config()), app)
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:
