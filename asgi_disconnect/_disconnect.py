@@ -675,7 +675,8 @@ class _Exchange:
         except BaseException as exc:
             failure = exc
             self.outcome.app_ended(exc)
-            raise
+            if not await self.outcome.answer_failure(exc):
+                raise
         else:
             generation = self.out.generation
             if self.out.writer is None and (generation is None or not generation.running):
@@ -974,6 +975,8 @@ class _AppRun:
             raise
         except BaseException as exc:
             outcome.app_ended(exc)
+            if await outcome.answer_failure(exc):
+                return
             if state.detached:
                 logger.error("detached generation %s failed", state.generation_id, exc_info=exc)
             else:

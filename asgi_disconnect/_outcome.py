@@ -10,12 +10,16 @@ frame for an event stream that did not complete, and the counters, in one place;
 from __future__ import annotations
 
 import asyncio
+import logging
+from http import HTTPStatus
 from typing import TYPE_CHECKING
 
-from ._contract import Ending
+from ._contract import Ending, answered
+from ._problem import send_problem
 from ._records import Status
 from ._resume import STOPPED, error_frame, is_event_stream
 from ._writer import Delivery
+from .upstream import FirstTokenTimeout, IdleTimeout, UpstreamStatusError, UpstreamStreamError
 
 if TYPE_CHECKING:
     from ._contract import RequestState
@@ -23,6 +27,8 @@ if TYPE_CHECKING:
     from ._outbound import Outbound
 
 __all__ = ["Outcome"]
+
+logger = logging.getLogger("asgi_disconnect")
 
 _DONE = Delivery.DONE
 _ENDING_CANCELLED = Ending.CANCELLED
@@ -162,3 +168,52 @@ class Outcome:
             return
         writer = out.writer or out.open_writer()
         writer.pump()
+
+    async def answer_failure(self, exc: BaseException) -> bool:
+        """An upstream's failure (:class:`UpstreamStreamError`) that escaped the app, after
+        :meth:`app_ended`: answered here and logged in one line, instead of raised to the
+        server (a traceback per request). An event stream ended with its error frame
+        already; a response not started yet is a ``502`` problem of the error's type
+        (``504`` for a timeout). True if it was answered; any other response that started
+        is left to the server to abort, as before."""
+        if not isinstance(exc, UpstreamStreamError):
+            return False
+        out = self.out
+        generation = out.generation
+        if generation is not None:
+            if not is_event_stream(generation.content_type):
+                return False
+        elif out.passthrough or out.held is not None:
+            return False
+        elif not out.client_gone and not self.state.detached:
+            await self._send_problem(exc)
+        scope = out.scope
+        logger.warning(
+            "generation %s (%s %s): the upstream failed: %s: %s",
+            self.state.generation_id,
+            scope.get("method"),
+            scope.get("path"),
+            exc.error_type,
+            exc,
+        )
+        return True
+
+    async def _send_problem(self, exc: UpstreamStreamError) -> None:
+        status = 504 if isinstance(exc, (FirstTokenTimeout, IdleTimeout)) else 502
+        headers = [(b"connection", b"close")]
+        if isinstance(exc, UpstreamStatusError) and exc.retry_after:
+            headers.append((b"retry-after", exc.retry_after.encode("latin-1")))
+        out = self.out
+        answered(out.scope, status)
+        out.delivery = _DONE
+        try:
+            await send_problem(
+                out.send,
+                status,
+                exc.error_type.replace("_", "-"),
+                HTTPStatus(status).phrase,
+                str(exc),
+                headers=headers,
+            )
+        except Exception:  # the client left meanwhile: nobody to answer
+            logger.debug("the answer to an upstream failure was not sent", exc_info=True)

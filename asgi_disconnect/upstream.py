@@ -11,7 +11,10 @@ Register every response of your own client with one line::
 an :class:`UpstreamStatusError` before any byte reaches the client; a first event that
 does not come, a silence between events, an error event or a body that ends without the
 protocol's terminal marker raise the matching :class:`UpstreamStreamError`, which
-DisconnectMiddleware turns into an ``event: error`` frame of that ``error_type``::
+DisconnectMiddleware turns into an ``event: error`` frame of that ``error_type`` (or, before
+the response started, a ``502``/``504`` ``application/problem+json`` answer of that type),
+logged in one line, never raised to the server; an upstream that cannot be reached is an
+:class:`UpstreamUnreachable`::
 
     try:
         upstream = await open_stream(client, client.build_request("POST", url, json=body),
@@ -24,6 +27,7 @@ DisconnectMiddleware turns into an ``event: error`` frame of that ``error_type``
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -45,6 +49,7 @@ __all__ = [
     "UpstreamStatusError",
     "UpstreamStream",
     "UpstreamStreamError",
+    "UpstreamUnreachable",
     "open_stream",
     "track",
     "track_response",
@@ -73,6 +78,14 @@ class UpstreamStatusError(UpstreamStreamError):
         super().__init__(f"the upstream answered {status_code}", error=error)
         self.status_code = status_code
         self.retry_after = retry_after
+
+
+class UpstreamUnreachable(UpstreamStreamError):
+    """The request did not reach the upstream, or its response's head did not come back:
+    a refused connection, a name that does not resolve, a connection reset before the
+    headers. The client library's error is the ``__cause__``."""
+
+    error_type = "upstream_unreachable"
 
 
 class FirstTokenTimeout(UpstreamStreamError):
@@ -249,6 +262,8 @@ async def open_stream(
         raise FirstTokenTimeout(
             f"the upstream sent no headers within {first_token_timeout:g} s"
         ) from None
+    except _transport_errors() as exc:
+        raise UpstreamUnreachable(f"the upstream could not be reached: {exc!r}") from exc
     if track(response):
         _describe(request)
     if not 200 <= response.status_code < 300:
@@ -364,6 +379,18 @@ class UpstreamStream:
         report = self.meter.report()
         if state is not None and report.usage_source == "provider":
             state.upstream_usage = report
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """What a client that could not reach its upstream raises: the ``TransportError`` of
+    httpx and of httpx2 (those imported: the client in hand is one of them), and ``OSError``."""
+    errors: list[type[BaseException]] = [OSError]
+    for library in ("httpx", "httpx2"):
+        module = sys.modules.get(library)
+        error = getattr(module, "TransportError", None) if module is not None else None
+        if isinstance(error, type) and issubclass(error, BaseException):
+            errors.append(error)
+    return tuple(errors)
 
 
 async def _read_some(response: Any, limit: int) -> bytes:
