@@ -8,7 +8,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from asgi_disconnect import UsageRecord, connect, disconnect_policy, install
 from asgi_disconnect.upstream import (
     UpstreamStatusError,
-    UpstreamStreamError,
     open_stream,
     track_response,
 )
@@ -38,9 +37,7 @@ async def relay(request: Request) -> Response:
     except UpstreamStatusError as exc:  # the provider's own 400, 401, 429, 500: passed on
         retry = {"retry-after": exc.retry_after} if exc.retry_after else None
         return JSONResponse(exc.error, status_code=exc.status_code, headers=retry)
-    except (UpstreamStreamError, httpx.HTTPError) as exc:  # unreachable, or silent
-        error = {"type": getattr(exc, "error_type", "upstream_unreachable"), "message": str(exc)}
-        return JSONResponse({"error": error}, status_code=502)
+    # Unreachable or silent: the stack answers 502/504 (problem+json) and logs one line.
     return StreamingResponse(upstream, media_type="text/event-stream")
 
 
