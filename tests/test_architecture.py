@@ -607,6 +607,7 @@ OUTCOME_FIELDS = {
     "disconnect_reason",
     "response_status",
     "idempotency",
+    "stopped_by",
 }
 # DisconnectMiddleware's modules, and the contract that builds the Outcome from them.
 OUTCOME_WRITERS = {"_disconnect", "_writer", "_outbound", "_outcome", "_contract"}
