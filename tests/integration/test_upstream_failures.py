@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -27,7 +28,9 @@ pytestmark = [pytest.mark.anyio, pytest.mark.server]
 BODY = {"model": "fake-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 
 
-def relay(upstream_url: str, records: list[UsageRecord]) -> Starlette:
+def relay(
+    upstream_url: str, records: list[UsageRecord], first_token_timeout: float = 10
+) -> Starlette:
     """The quickstart's relay: the provider's refusals passed on, nothing else caught."""
     client = httpx.AsyncClient(base_url=upstream_url, timeout=httpx.Timeout(None, connect=5))
 
@@ -35,7 +38,7 @@ def relay(upstream_url: str, records: list[UsageRecord]) -> Starlette:
         headers = {k: v for k, v in request.headers.items() if k.startswith("x-fake-")}
         outgoing = client.build_request("POST", "/v1/chat/completions", json=BODY, headers=headers)
         try:
-            upstream = await open_stream(client, outgoing, first_token_timeout=10)
+            upstream = await open_stream(client, outgoing, first_token_timeout=first_token_timeout)
         except UpstreamStatusError as exc:
             return JSONResponse(exc.error, status_code=exc.status_code)
         return StreamingResponse(upstream, media_type="text/event-stream")
@@ -108,6 +111,22 @@ async def test_an_upstream_that_refuses_connections_is_a_502_problem_and_one_lin
     for record in records:
         assert record.outcome == "error"
         assert record.error_type == "upstream_unreachable"
+
+
+async def test_an_upstream_that_never_answers_is_a_504_problem_and_one_line() -> None:
+    records: list[UsageRecord] = []
+    with socket.socket() as silent:  # listens, never accepts: the request waits unanswered
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with server_log() as log, run_server(relay(url, records, 0.3)) as server:
+            answer = await request(f"{server.url}/chat", method="POST")
+            await eventually(lambda: records, timeout=10, what="the record")
+    assert answer.status == 504
+    problem = msgspec.json.decode(answer.body)
+    assert problem["type"] == "urn:asgi-disconnect:problem:first-token-timeout"
+    assert problem["title"] == "Gateway Timeout"
+    one_line_each(log, [records[0].generation_id or ""], "first_token_timeout")
 
 
 @pytest.mark.parametrize(
