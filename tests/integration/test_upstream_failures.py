@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from asgi_disconnect import MemoryBackend, UsageRecord, install
+from asgi_disconnect import MemoryBackend, UsageRecord, disconnect_policy, install
 from asgi_disconnect.testing import FakeProvider, request, run_server
 from asgi_disconnect.upstream import UpstreamStatusError, open_stream
 from tests.apps import eventually
@@ -48,7 +48,14 @@ def relay(
         yield
         await client.aclose()
 
-    app = Starlette(routes=[Route("/chat", chat, methods=["POST"])], lifespan=lifespan)
+    @disconnect_policy("detach")
+    async def report(request: Request) -> Response:
+        return await chat(request)
+
+    app = Starlette(
+        routes=[Route("/chat", chat, methods=["POST"]), Route("/report", report, methods=["POST"])],
+        lifespan=lifespan,
+    )
     install(app, backend=MemoryBackend(), sinks=[records.append])
     return app
 
@@ -160,3 +167,24 @@ async def test_an_upstream_that_dies_mid_stream_is_an_error_frame_and_one_line(
         ids.append(answer.headers["x-generation-id"])
     one_line_each(log, ids, error_type)
     assert sorted(record.generation_id or "" for record in records) == sorted(ids)
+
+
+async def test_detached_work_whose_upstream_dies_is_one_line() -> None:
+    records: list[UsageRecord] = []
+    with (
+        FakeProvider(tokens=40, tokens_per_second=100) as provider,
+        server_log() as log,
+        run_server(relay(provider.url, records)) as server,
+    ):
+        left = await request(
+            f"{server.url}/report",
+            method="POST",
+            headers={"x-fake-fault": "reset-after=20"},
+            disconnect_after_bytes=600,
+        )
+        await eventually(lambda: records, timeout=10, what="the record")
+    assert left.stopped_by == "disconnect_after_bytes"
+    (record,) = records
+    assert record.detached
+    assert record.outcome == "truncated"
+    one_line_each(log, [left.headers["x-generation-id"]], "truncated_stream")
