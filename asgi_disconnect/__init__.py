@@ -112,18 +112,18 @@ def install(
 ) -> None:
     """Add the package's middleware stack to a Starlette or FastAPI ``app``.
 
-    Outermost first: :class:`DisconnectMiddleware` (``options``: ``backend``, ``policy``,
-    ``principal``, ``resume_prefix``, ...), then :class:`MeteringMiddleware` (``sinks``,
+    Outermost first: ``DisconnectMiddleware`` (``options``: ``backend``, ``policy``,
+    ``principal``, ``resume_prefix``, ...), then ``MeteringMiddleware`` (``sinks``,
     ``provider``, ``reservations``, ``tokenizer``). With ``store_usage`` (the default) each
     record is also written to the backend's usage table. ``request_log``: with each record,
     one line in the ``asgi_disconnect.requests`` logger at INFO (id, route, policy, how it
     ended, tokens billed and delivered, usage source, duration): ``"text"`` (the default),
     ``"json"`` (one object per line) or None. ``idempotency`` (True, or the
-    options of :class:`IdempotencyMiddleware`) adds it outside the others, on the same backend.
-    ``drain`` (True, or the options of :class:`DrainMiddleware`) adds it outside those, with
+    options of ``IdempotencyMiddleware``) adds it outside the others, on the same backend.
+    ``drain`` (True, or the options of ``DrainMiddleware``) adds it outside those, with
     the same ``resume_prefix``. ``telemetry`` (spans and metrics through the global
     OpenTelemetry providers), or a ``tracer_provider`` / ``meter_provider`` of one's own,
-    adds :class:`TelemetryMiddleware` outside them all (``pip install 'asgi-disconnect[otel]'``).
+    adds ``TelemetryMiddleware`` outside them all (``pip install 'asgi-disconnect[otel]'``).
     """
     if not isinstance(telemetry, bool):
         raise TypeError(

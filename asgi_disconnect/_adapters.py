@@ -1,6 +1,6 @@
 """Provider adapters: what each streamed event says about usage, errors and the stream's end.
 
-One handler per wire format reads the events of one stream into a :class:`StreamState`.
+One handler per wire format reads the events of one stream into a ``StreamState``.
 Payloads are decoded with reused msgspec decoders into small typed structs, and only for the
 events whose fields are needed; a payload that does not fit its struct is searched for an
 error object and otherwise ignored. Handlers never raise on any input.

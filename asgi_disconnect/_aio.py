@@ -1,6 +1,6 @@
 """The asyncio helpers the middlewares share.
 
-Everything here is asyncio's public API and the coroutine protocol. :class:`Resume` goes on
+Everything here is asyncio's public API and the coroutine protocol. ``Resume`` goes on
 with a coroutine that the *same* task stepped once by hand (``coro.send(None)``), to learn
 whether it waits at all before arming a deadline or starting a watcher; a coroutine is never
 started in one task and finished in another (a timeout or a cancel scope inside it binds to

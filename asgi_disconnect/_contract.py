@@ -2,28 +2,28 @@
 
 Every middleware of the package reads and hooks a request only through what is here:
 
-- :class:`RequestState` at ``scope["asgi_disconnect"]``: created once per request by the
-  outermost of the package's middlewares (:func:`request_state`), with the caller's
+- ``RequestState`` at ``scope["asgi_disconnect"]``: created once per request by the
+  outermost of the package's middlewares (``request_state``), with the caller's
   principal resolved once; the generation id; the policy;
-- :class:`Outcome`: how the exchange went (whether the work detached, produced and
+- ``Outcome``: how the exchange went (whether the work detached, produced and
   delivered bytes, how it ended), the one thing the other middlewares read of what
-  DisconnectMiddleware writes: so far with :meth:`RequestState.progress`, and once, frozen,
-  through :meth:`RequestState.on_end` when the exchange is over (the app returned and
+  DisconnectMiddleware writes: so far with ``RequestState.progress``, and once, frozen,
+  through ``RequestState.on_end`` when the exchange is over (the app returned and
   nothing more will be delivered; for detached work, when it ended);
-- the stores, split by what their callers need: :class:`GenerationLog` (and its read half,
-  :class:`GenerationReader`), :class:`ClaimStore`, :class:`UsageStore`, :class:`PinStore`;
-  :class:`Backend` is all of them, the one object that serves every store;
-- what a live generation is to the others, never the log itself: :class:`GenerationOutput`
-  (``RequestState.generation``, for the middlewares) and :class:`LiveLog` (what a store
+- the stores, split by what their callers need: ``GenerationLog`` (and its read half,
+  ``GenerationReader``), ``ClaimStore``, ``UsageStore``, ``PinStore``;
+  ``Backend`` is all of them, the one object that serves every store;
+- what a live generation is to the others, never the log itself: ``GenerationOutput``
+  (``RequestState.generation``, for the middlewares) and ``LiveLog`` (what a store
   reads of a generation logged in this process).
 
-Who writes what in :class:`RequestState`:
+Who writes what in ``RequestState``:
 
 =====================  ======================================================
 field                  written by
 =====================  ======================================================
-``generation_id``      :func:`request_state`, once (read-only: the identity)
-``principal``          :func:`request_state`, once (read-only: the identity)
+``generation_id``      ``request_state``, once (read-only: the identity)
+``principal``          ``request_state``, once (read-only: the identity)
 ``generation``         DisconnectMiddleware, at the response start
 ``log_store``          DisconnectMiddleware, with ``generation``: where its bytes are
                        read back (``follow``), those the log let go included
@@ -42,8 +42,8 @@ field                  written by
                        ``delivered_bytes`` is what the client's TCP acknowledged,
                        ``"sent"`` if it is what was handed to the server
 ``ending``             DisconnectMiddleware, once, when the exchange is over
-``outcome``            :meth:`RequestState.finish` (DisconnectMiddleware), once, when the
-                       exchange is over: the frozen :class:`Outcome` of the fields above
+``outcome``            ``RequestState.finish`` (DisconnectMiddleware), once, when the
+                       exchange is over: the frozen ``Outcome`` of the fields above
                        that the other middlewares read (never the fields themselves)
 ``stream_ending``      MeteringMiddleware, at an event stream's start: a callable that
                        says how it ended by its protocol (``complete``, ``error``,
@@ -51,20 +51,20 @@ field                  written by
 ``upstreams``          the upstream helpers (``asgi_disconnect.upstream``)
 ``app_send``           DisconnectMiddleware, before the app runs: the send it gives
                        the app
-``message_hook``       MeteringMiddleware, through :meth:`RequestState.on_message` when
+``message_hook``       MeteringMiddleware, through ``RequestState.on_message`` when
                        the send it was given is ``app_send`` (nothing in between): it
                        sees each message the app sends, before DisconnectMiddleware
                        handles it, instead of a wrapped send
 ``marks``              an observer (TelemetryMiddleware) that wants the moments of the
-                       exchange, at the start; then :meth:`RequestState.note` by the
+                       exchange, at the start; then ``RequestState.note`` by the
                        middleware that sees each moment (DisconnectMiddleware: client
                        disconnect, cancelled, detached, stopped, interrupted;
                        MeteringMiddleware: first event)
 ``usage_pending``      MeteringMiddleware, at the request's start
-                       (:meth:`RequestState.expect_usage`): a usage record (or its
+                       (``RequestState.expect_usage``): a usage record (or its
                        absence) will be settled for this request
-``usage``              MeteringMiddleware, through :meth:`RequestState.settle_usage`;
-                       an observer registers for it with :meth:`RequestState.on_usage`
+``usage``              MeteringMiddleware, through ``RequestState.settle_usage``;
+                       an observer registers for it with ``RequestState.on_usage``
 ``request_model``      the upstream helpers, from the request they send (when marked)
 ``request_body``       the upstream helpers: the body of the first request they send
                        upstream, for metering's input estimate
@@ -74,7 +74,7 @@ field                  written by
 ``idempotency``        IdempotencyMiddleware: ``fresh``, ``replayed``, ``attached``,
                        ``in_flight``, ``mismatch``, ``invalid``, ``unavailable`` or
                        ``unclaimed`` (the store was down and the request ran unclaimed)
-``response_status``    a middleware that answers the request itself (:func:`answered`:
+``response_status``    a middleware that answers the request itself (``answered``:
                        IdempotencyMiddleware's replays and refusals, DrainMiddleware's
                        refusals); a generation's response has its own
 =====================  ======================================================
@@ -180,7 +180,7 @@ _CREDENTIALS = frozenset(CREDENTIAL_HEADERS)
 
 
 def default_principal(scope: Scope) -> str:
-    """A digest over every credential header the request carries (:data:`CREDENTIAL_HEADERS`),
+    """A digest over every credential header the request carries (``CREDENTIAL_HEADERS``),
     names and values, in any order; ``""`` (anonymous) if it carries none.
 
     A request with one credential header has the digest of ``name:value`` alone, as before
@@ -242,8 +242,8 @@ class Policy(enum.StrEnum):
 
 class Outcome(msgspec.Struct, frozen=True, gc=False):
     """How one exchange went, frozen: published once when it ends
-    (:attr:`RequestState.outcome`, :meth:`RequestState.on_end`), or read so far
-    (:meth:`RequestState.progress`, whose ``ending`` is None)."""
+    (``RequestState.outcome``, ``RequestState.on_end``), or read so far
+    (``RequestState.progress``, whose ``ending`` is None)."""
 
     ending: Ending | None
     """How the exchange ended; None while it goes on."""
@@ -265,7 +265,7 @@ class Outcome(msgspec.Struct, frozen=True, gc=False):
     """The response's status: its generation's, or the one a middleware answered with."""
     idempotency: str | None
     """How IdempotencyMiddleware handled the request's key (``fresh``, ``replayed``, ...;
-    see :attr:`RequestState.idempotency`); None without one."""
+    see ``RequestState.idempotency``); None without one."""
     stopped_by: str | None = None
     """What stopped the work, if not its client: ``owner`` (a Stop, ``POST .../cancel``;
     ``ending`` is ``cancelled``) or ``drain`` (a drain's deadline; ``interrupted``)."""
@@ -455,7 +455,7 @@ class RequestState:
 
     @property
     def generation_id(self) -> str:
-        """The request's generation id, given once: its identity, with :attr:`principal`."""
+        """The request's generation id, given once: its identity, with ``principal``."""
         return self._id
 
     @property
@@ -483,7 +483,7 @@ class RequestState:
 
     def progress(self) -> Outcome:
         """How the exchange goes so far (``ending`` None until it ends): what a middleware
-        reads of it before :meth:`on_end`, never the fields DisconnectMiddleware writes."""
+        reads of it before ``on_end``, never the fields DisconnectMiddleware writes."""
         outcome = self.outcome
         return self._outcome(None) if outcome is None else outcome
 
@@ -503,7 +503,7 @@ class RequestState:
         )
 
     def on_end(self, callback: Callable[[Outcome], object]) -> None:
-        """Call ``callback`` with the :class:`Outcome` once the exchange is over (the app
+        """Call ``callback`` with the ``Outcome`` once the exchange is over (the app
         returned and nothing more will be delivered; for detached work, when it ended), at
         once if it already is. An exception in it is logged, never raised."""
         if self._finalizers is None:
@@ -584,7 +584,7 @@ class RequestState:
         settles it, or when the exchange ends if no metering runs the request; at once if
         that happened already. An exception in it is logged, never raised. Asked before the
         app is called, it waits for one of the two (a request neither DisconnectMiddleware
-        nor metering runs settles nothing: ask :attr:`usage_settled` once the app returned)."""
+        nor metering runs settles nothing: ask ``usage_settled`` once the app returned)."""
         if not self.usage_pending and self.finished:
             _call_with(callback, self.usage)  # settled, or over without metering
         elif self._usage_hooks is None:
@@ -667,7 +667,7 @@ class StoreLifecycle(Protocol):
 
 
 class ClaimStore(StoreLifecycle, Protocol):
-    """The claim half of a backend (IdempotencyMiddleware, :func:`once`). Leases and
+    """The claim half of a backend (IdempotencyMiddleware, ``once``). Leases and
     expiry are judged by the store's clock."""
 
     async def claim(
@@ -715,7 +715,7 @@ class GenerationLog(GenerationReader, Protocol):
     """Where generations are logged (DisconnectMiddleware), read, resumed and stopped
     (its resume endpoints).
 
-    The middleware hands each generation it produces to ``register`` (a :class:`LiveLog`);
+    The middleware hands each generation it produces to ``register`` (a ``LiveLog``);
     appends and the final status are recorded on that object without awaiting anything,
     and a durable store persists them in batches of its own choosing (it pulls from the
     object). Readers go through ``get``, ``principal_of`` and ``follow``, which work from
@@ -755,14 +755,14 @@ class UsageStore(Protocol):
     """Where usage records are kept (``install(store_usage=True)``, the command line)."""
 
     def record_usage(self, record: UsageRecord) -> None:
-        """Store a usage record (a sink for :class:`MeteringMiddleware`); never awaits."""
+        """Store a usage record (a sink for ``MeteringMiddleware``); never awaits."""
 
     async def usage_of(self, generation_id: str) -> list[UsageRecord]:
         """The usage records stored for a generation."""
 
 
 class PinStore(Protocol):
-    """Where sessions are bound to providers (:class:`SessionPins`)."""
+    """Where sessions are bound to providers (``SessionPins``)."""
 
     async def pin_session(self, principal: str, session_id: str, provider: str, ttl: float) -> str:
         """The provider the session is bound to: its live binding, renewed for ``ttl``
@@ -776,7 +776,7 @@ class PinStore(Protocol):
 @runtime_checkable
 class Backend(GenerationLog, ClaimStore, UsageStore, PinStore, Protocol):
     """Where generations, claims, usage records and session pins live: one object that is
-    every store (:func:`connect` returns one). A store of your own implements the parts its
+    every store (``connect`` returns one). A store of your own implements the parts its
     callers need; DisconnectMiddleware takes a whole ``Backend``."""
 
     url: str

@@ -7,8 +7,8 @@ The flow of one request (see docs/architecture.md)::
                           └──> backend (durable copy), resume readers, metering
 
 The app's ``send`` appends to the log and returns; it never waits on the client. How the
-app ended maps to the generation's status, the exchange's :class:`Ending` and the counters
-in one place, :meth:`Outcome.app_ended` (``_outcome.py``), whichever task ran the app.
+app ended maps to the generation's status, the exchange's ``Ending`` and the counters
+in one place, ``Outcome.app_ended`` (``_outcome.py``), whichever task ran the app.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class Counters:
 
 
 class Stage(enum.Enum):
-    """Where one request's exchange stands; :data:`MOVES` lists the moves it allows."""
+    """Where one request's exchange stands; ``MOVES`` lists the moves it allows."""
 
     # Members are unique: hashed by identity, in C (Enum's own hash is Python code).
     __hash__ = object.__hash__
@@ -595,7 +595,7 @@ class _Exchange:
         self.stage = _RUNNING
 
     def move(self, to: Stage) -> None:
-        """Move the exchange on; a move :data:`MOVES` does not allow raises, naming both."""
+        """Move the exchange on; a move ``MOVES`` does not allow raises, naming both."""
         if to not in MOVES[self.stage]:
             raise RuntimeError(f"the exchange cannot go from {self.stage.value} to {to.value}")
         self.stage = to

@@ -7,7 +7,7 @@ deadline what still runs ends through the lifecycle's ``drain`` hooks: an event 
 client still reads gets an ``event: error`` frame of type ``draining`` with ``retry_after``,
 detached work ends ``interrupted`` with the prefix it produced kept.
 
-A drain starts by :meth:`DrainMiddleware.drain`, by ``POST {drain_path}`` (a Kubernetes
+A drain starts by ``DrainMiddleware.drain``, by ``POST {drain_path}`` (a Kubernetes
 preStop hook), or by SIGTERM: the middleware takes the signal from the server (uvicorn,
 hypercorn) at startup, drains, then hands the signal back to the server, whose own shutdown
 then finds nothing left to cut. Handing a running generation over to another replica is out
@@ -68,7 +68,7 @@ class DrainMiddleware:
       body shows the requests in flight to the same callers only;
     - ``resume_prefix``: requests under it (resume reads, Stops) are served while draining;
     - ``signals``: take SIGTERM from the server (main thread only), drain, hand it back;
-    - ``window``: how many recent request durations :meth:`suggest_drain_deadline` reads.
+    - ``window``: how many recent request durations ``suggest_drain_deadline`` reads.
     """
 
     def __init__(

@@ -250,8 +250,8 @@ class PendingSettles:
                 )
 
     def start(self, settle: Awaitable[_Settle]) -> None:
-        """:meth:`settle` the settle ``settle`` gives, in a task of its own, which
-        :meth:`drain` waits for."""
+        """``settle`` the settle ``settle`` gives, in a task of its own, which
+        ``drain`` waits for."""
         task = asyncio.ensure_future(self._settle_when(settle))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
@@ -406,7 +406,7 @@ class IdempotencyMiddleware:
       so does a response that says to come back later (408, 425, 429, 503, or any error
       with ``Retry-After``);
     - store unreachable: 503 with ``Retry-After`` (``fail_open=True`` runs the request);
-      a settle it refuses is kept and retried until it lands (:class:`PendingSettles`,
+      a settle it refuses is kept and retried until it lands (``PendingSettles``,
       bounded by ``max_pending_settles`` and ``max_pending_bytes``).
     """
 

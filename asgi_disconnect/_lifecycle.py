@@ -1,7 +1,7 @@
 """The process lifecycle of the stack: one owner runs the lifespan protocol for every part.
 
 The outermost middleware of the package that sees the ``lifespan`` scope creates the
-:class:`Lifecycle` and puts it at ``scope["asgi_disconnect"]``; the others find it there and
+``Lifecycle`` and puts it at ``scope["asgi_disconnect"]``; the others find it there and
 register their hooks. At ``lifespan.startup`` the owner runs the startup hooks in order
 (outermost first); a hook that raises makes the server see ``lifespan.startup.failed`` with
 the reason, so it exits instead of serving, and then the hook's error is raised from the
@@ -15,7 +15,7 @@ in this order:
 
 A hook that fails is logged and the next one runs: a shutdown always reaches ``close``.
 
-A drain (:class:`DrainMiddleware`, before the server's own shutdown) calls the ``drain``
+A drain (``DrainMiddleware``, before the server's own shutdown) calls the ``drain``
 hooks: each lets its running work end until the deadline, then interrupts what is left.
 """
 
@@ -73,8 +73,8 @@ class Lifecycle:
         drain: DrainHook | None = None,
         **phases: Hook,
     ) -> None:
-        """Add ``part``'s hooks; ``phases`` are named after :class:`Phase` in lower case;
-        ``drain(deadline, retry_after)``: see :meth:`drain`.
+        """Add ``part``'s hooks; ``phases`` are named after ``Phase`` in lower case;
+        ``drain(deadline, retry_after)``: see ``drain``.
 
         ``unique`` parts may appear once per app: a second one fails the startup.
         """

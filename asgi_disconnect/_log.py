@@ -1,6 +1,6 @@
 """The generation log: a response's bytes in the order the app produced them.
 
-The others know a :class:`Generation` only by the contract's view of it: the middlewares
+The others know a ``Generation`` only by the contract's view of it: the middlewares
 as ``GenerationOutput`` (``RequestState.generation``), the stores as ``LiveLog``.
 """
 
@@ -193,7 +193,7 @@ class Generation:
     def release(self, offset: int) -> int:
         """Free the chunks that end at or before byte ``offset`` (a store has them, and no
         reader in this process needs them); their slots stay, so chunk indices hold.
-        Returns the bytes freed. An event stream keeps its end (:meth:`tail_start`) while it
+        Returns the bytes freed. An event stream keeps its end (``tail_start``) while it
         runs and until its exchange is over (metering reads it there)."""
         if (self.running or self.reader is not None) and self._events():
             offset = min(offset, self.tail_start())
@@ -217,8 +217,8 @@ class Generation:
 
     def tail_start(self) -> int:
         """Where an event stream's end starts in memory: just past the blank line before its
-        last :data:`TAIL_EVENTS` complete events (what follows them included), or
-        :data:`TAIL_LIMIT` bytes from its end, or ``base``, whichever is latest. A blank
+        last ``TAIL_EVENTS`` complete events (what follows them included), or
+        ``TAIL_LIMIT`` bytes from its end, or ``base``, whichever is latest. A blank
         line split between chunks may go unseen, which keeps more, never less."""
         chunks = self.chunks
         index = len(chunks)
@@ -272,7 +272,7 @@ class Generation:
             yield b"".join(chunks[index : index + count])
 
     def read(self, offset: int, limit: int = _READ_LIMIT) -> bytes:
-        """Up to about ``limit`` bytes starting at byte ``offset``; :class:`Released` below
+        """Up to about ``limit`` bytes starting at byte ``offset``; ``Released`` below
         ``base``."""
         if offset >= self.size:
             return b""

@@ -63,7 +63,7 @@ def estimate_tokens(text: str) -> int:
     """The default estimate: about four characters per token, at least one for any text.
 
     Close to the BPE tokenizers of the major providers for English prose; pass your own
-    ``tokenizer=`` to :class:`MeteringMiddleware` for better figures.
+    ``tokenizer=`` to ``MeteringMiddleware`` for better figures.
     """
     return 0 if not text else max(1, round(len(text) / 4))
 
@@ -101,7 +101,7 @@ class Calibration:
 
     def wants(self, model: str | None) -> bool:
         """Whether to learn from a complete answer of ``model``: each of its first
-        :data:`_LEARNED_ANSWERS` (and until it is known), then one in :data:`_SAMPLED_EVERY`
+        ``_LEARNED_ANSWERS`` (and until it is known), then one in ``_SAMPLED_EVERY``
         (reading a stream's text costs a decode of it)."""
         if model is None:
             return False
@@ -153,8 +153,8 @@ class MeteringMiddleware:
     """Tees every produced body byte into an SSE decoder and a provider adapter.
 
     The tee is synchronous (it never awaits anything the client controls). Exactly one
-    :class:`UsageRecord` per HTTP request goes to each sink, from a cancellation-shielded
-    ``finally``; under :class:`DisconnectMiddleware` it is emitted when the exchange is
+    ``UsageRecord`` per HTTP request goes to each sink, from a cancellation-shielded
+    ``finally``; under ``DisconnectMiddleware`` it is emitted when the exchange is
     over, so ``delivered_bytes`` is final. Sinks and reservations that raise are logged,
     never raised into the request.
 
@@ -613,7 +613,7 @@ class _Tee:
         return None
 
     def over(self, outcome: Outcome) -> None:
-        """The exchange is over (:meth:`RequestState.on_end`): the record is made."""
+        """The exchange is over (``RequestState.on_end``): the record is made."""
         state = self.state
         assert state is not None
         self.outcome = outcome
@@ -681,7 +681,7 @@ class _Tee:
         return True
 
     def ending(self) -> str | None:
-        """How the stream ended by its protocol (see :meth:`StreamMeter.ending`); with a
+        """How the stream ended by its protocol (see ``StreamMeter.ending``); with a
         log, once its end is read."""
         meter = self.meter
         assert meter is not None
@@ -691,7 +691,7 @@ class _Tee:
 
     def _read_end(self) -> bool:
         """Feed the meter the stream's end as its log keeps it (its last events, see
-        :meth:`GenerationOutput.tail_start`), or all it did not read if that is less; False if
+        ``GenerationOutput.tail_start``), or all it did not read if that is less; False if
         the log let those bytes go (the store has them: the record reads it whole)."""
         log, meter = self.log, self.meter
         assert log is not None
@@ -742,7 +742,7 @@ class _Tee:
             state.off_message(self.observe)
 
     def wanted(self, report: Any) -> bool:
-        """Whether this request gets a usage record (see :func:`metered`)."""
+        """Whether this request gets a usage record (see ``metered``)."""
         mark = self.mark
         if mark is not None:
             return mark is not False
@@ -940,7 +940,7 @@ async def _awaited(result: Awaitable[object], record: UsageRecord) -> None:
 
 
 class _JsonUsage(msgspec.Struct, frozen=True, gc=False):
-    """What a JSON response said, with the members of a :class:`StreamReport` that a record
+    """What a JSON response said, with the members of a ``StreamReport`` that a record
     reads; built positionally, once per JSON request."""
 
     provider_format: str | None

@@ -1,6 +1,6 @@
 """The app's side of one response: what its ``send`` does.
 
-A response is a generation or it is not (:func:`kind_of`). A generation's start opens its log
+A response is a generation or it is not (``kind_of``). A generation's start opens its log
 (with ``x-generation-id``) and its body is appended there; the client writer hands the log to
 the server, and the producer never waits on the client. A JSON response is held until its
 first bytes tell whether it is an LLM API's; anything else passes straight through. Every
@@ -594,7 +594,7 @@ class Outbound:
 
     async def _send_whole(self, message: Message, size: int) -> None:
         """Send the whole response, one message, from the producer's own task, under the
-        lag deadline (see :func:`send_whole`)."""
+        lag deadline (see ``send_whole``)."""
         self.delivery = _FINAL
         lost = await send_whole(self.send, message, self.mw.max_lag_seconds)
         if lost == "lag":

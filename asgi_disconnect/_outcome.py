@@ -2,9 +2,9 @@
 
 Every path (returned, raised, cancelled by the policy, stopped by its owner, drained,
 interrupted from outside, stopped because the server refused a send) goes through
-:meth:`Outcome.app_ended`, whichever task ran the app: the generation's status, an error
+``Outcome.app_ended``, whichever task ran the app: the generation's status, an error
 frame for an event stream that did not complete, and the counters, in one place;
-:meth:`Outcome.ending` is the exchange's :class:`Ending` from it.
+``Outcome.ending`` is the exchange's ``Ending`` from it.
 """
 
 from __future__ import annotations
@@ -170,8 +170,8 @@ class Outcome:
         writer.pump()
 
     async def answer_failure(self, exc: BaseException) -> bool:
-        """An upstream's failure (:class:`UpstreamStreamError`) that escaped the app, after
-        :meth:`app_ended`: answered here and logged in one line, instead of raised to the
+        """An upstream's failure (``UpstreamStreamError``) that escaped the app, after
+        ``app_ended``: answered here and logged in one line, instead of raised to the
         server (a traceback per request). An event stream ended with its error frame
         already; a response not started yet is a ``502`` problem of the error's type
         (``504`` for a timeout). True if it was answered; any other response that started

@@ -7,7 +7,7 @@ A gateway asks, per request, which provider a session talks to::
 
 The first turn of a session binds it to the default of that moment; every later turn, and
 every retry after a connection error, gets the same binding back, on any replica that
-shares the backend, until the session ends (:meth:`SessionPins.end`) or goes ``ttl``
+shares the backend, until the session ends (``SessionPins.end``) or goes ``ttl``
 seconds without a turn. Changing the default therefore moves only new sessions. The
 binding is one conditional insert in the store, judged by the store's clock.
 
@@ -38,7 +38,7 @@ _MAX_ID = 255
 
 class SessionPins:
     """Bindings of sessions to providers, kept in ``backend`` (a backend, or any
-    :class:`PinStore`); see the module's docstring.
+    ``PinStore``); see the module's docstring.
 
     Sessions are scoped to the caller: inside a request the stack runs, the request's
     principal (the same one its generations and idempotency keys belong to), so one

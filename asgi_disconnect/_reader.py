@@ -2,7 +2,7 @@
 
 It hands the request's body to the app as the app asks for it (reading the next part only
 once the app took the last: backpressure is kept), and meanwhile watches for the client's
-``http.disconnect``. The exchange that owns it stops a read in progress with :meth:`wake`,
+``http.disconnect``. The exchange that owns it stops a read in progress with ``wake``,
 saying why; a body limit outside (the server's ``receive`` raising) reaches the app's next
 ``receive``, as without the middleware.
 """
@@ -81,7 +81,7 @@ class RequestReader:
         # What the server's receive raised (a body limit outside): the app's receive raises it.
         self.error: Exception | None = None
         # Resolved when the app first asks for a message or starts its response; the watch
-        # reads nothing before (see :meth:`hold_body`).
+        # reads nothing before (see ``hold_body``).
         self.gate: asyncio.Future[None] | None = None
         # The task that watches, once one does; why the exchange woke it.
         self.task: asyncio.Task[Any] | None = None

@@ -2,7 +2,7 @@
 
 The line goes to the ``asgi_disconnect.requests`` logger at INFO, as ``text`` (``key=value``
 pairs after the id, method and route) or ``json`` (one object per line, the keys of
-:data:`FIELDS`). It is built only when that logger is enabled for INFO.
+``FIELDS``). It is built only when that logger is enabled for INFO.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def how_it_ended(record: UsageRecord, outcome: Outcome | None) -> str:
 
 
 def fields(record: UsageRecord, outcome: Outcome | None) -> dict[str, Any]:
-    """The line's values, by :data:`FIELDS`."""
+    """The line's values, by ``FIELDS``."""
     status = record.status_code
     if outcome is not None and outcome.status is not None:
         status = outcome.status  # an answer DisconnectMiddleware sent itself included

@@ -576,7 +576,7 @@ class RedactResumeTokens(logging.Filter):
 
 
 def redact_tokens_in_access_logs() -> None:
-    """Put :class:`RedactResumeTokens` on the servers' access loggers, once."""
+    """Put ``RedactResumeTokens`` on the servers' access loggers, once."""
     for name in ACCESS_LOGGERS:
         target = logging.getLogger(name)
         if not any(isinstance(f, RedactResumeTokens) for f in target.filters):

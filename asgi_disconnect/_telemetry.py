@@ -2,7 +2,7 @@
 metrics that tell a working disconnect policy from a broken one.
 
 Optional (``pip install 'asgi-disconnect[otel]'``): nothing here imports OpenTelemetry until
-:class:`TelemetryMiddleware` is built (``install(app, telemetry=True)``, or
+``TelemetryMiddleware`` is built (``install(app, telemetry=True)``, or
 ``tracer_provider=`` / ``meter_provider=``). It sits outside the other middlewares and learns
 what happened only through the contract: the moments the others note on the request's
 state, the usage record metering settles there, and the generation's final status.

@@ -3,12 +3,12 @@
 A phone that loses its signal sends no FIN: the server's TCP keeps taking writes into
 kernel buffers and the ASGI ``send`` keeps returning. Two things notice it here, on Linux:
 
-- :func:`tune_listeners` sets ``TCP_USER_TIMEOUT`` and keep-alive probes on the process's
+- ``tune_listeners`` sets ``TCP_USER_TIMEOUT`` and keep-alive probes on the process's
   listening TCP sockets; each connection accepted afterwards inherits them, so the kernel
   ends a connection whose peer acknowledged nothing for that long, and the server reports
   a disconnect. No server flag, no private attribute: the sockets are found among the
   process's file descriptors.
-- :class:`TransportMonitor` asks the kernel (sock_diag netlink, by the connection's
+- ``TransportMonitor`` asks the kernel (sock_diag netlink, by the connection's
   addresses from the scope) how many bytes the client's TCP acknowledged and when it last
   did. A streamed response is watched from its first body message: a peer that has left
   data unacknowledged for ``client_timeout`` is a disconnect, and the response's delivered
@@ -113,7 +113,7 @@ class SockDiag:
         self._sock.close()
 
     def request(self, local: tuple[str, int], remote: tuple[str, int]) -> bytes:
-        """The query for one connection, to pass to :meth:`query` as often as needed."""
+        """The query for one connection, to pass to ``query`` as often as needed."""
         family, source = _address(local[0])
         family_r, destination = _address(remote[0])
         if family != family_r:

@@ -3,7 +3,7 @@
 The producer (the app's ``send``) appends to the log and returns; it never waits on the
 client. The writer task hands the log to the server. On Python 3.12 and later, while the
 client keeps up, a send is started at once in a task of its own (asyncio's eager start,
-:data:`EAGER_SENDS`): most finish in that first step, which costs one ``Task`` and no task
+``EAGER_SENDS``): most finish in that first step, which costs one ``Task`` and no task
 switch; one that waits is awaited by the writer task, and everything produced meanwhile
 follows from the log. On 3.11 the producer wakes the writer task, which sends what waits.
 Either way a send runs in a task that awaits it to its end, so a timeout or a cancel scope
@@ -179,7 +179,7 @@ class ClientWriter:
 
     def hand(self, message: Message, size: int, count: int) -> None:
         """Start sending ``message`` (in the log up to chunk ``count``) in a task of its own,
-        eagerly (:meth:`hand_chunk` is the same for a body chunk that is not the last)."""
+        eagerly (``hand_chunk`` is the same for a body chunk that is not the last)."""
         if _last(message, self.expect_trailers):
             self.move(_FINAL)
         sending = as_coroutine(self.send(message))
@@ -190,7 +190,7 @@ class ClientWriter:
             self.wait_for(task, message, size, count)
 
     def hand_chunk(self, message: Message, size: int, count: int) -> None:
-        """:meth:`hand`, for a body chunk that is not the last (the hot path, eager)."""
+        """``hand``, for a body chunk that is not the last (the hot path, eager)."""
         sending: Any = self.send(message)
         if type(sending) is not _COROUTINE:
             sending = as_coroutine(sending)
@@ -546,7 +546,7 @@ def _ignore_loss(reason: str) -> None:
 
 async def send_backlog(writer: ClientWriter, loop: asyncio.AbstractEventLoop) -> None:
     """Send the client the next part of what memory released before it got there, read
-    back from the store as a resume reader reads it (:func:`read_back`), up to where memory
+    back from the store as a resume reader reads it (``read_back``), up to where memory
     starts, at most 1 MiB at a time. Only the send counts against the lag deadline."""
     generation, state = writer.generation, writer.state
     end, end_index = generation.base, generation.base_index

@@ -1,8 +1,8 @@
 """What a streamed LLM response said about itself: format, end, errors, usage and text.
 
-:func:`analyze` reads a whole ``text/event-stream`` body; :class:`StreamMeter` reads one while
+``analyze`` reads a whole ``text/event-stream`` body; ``StreamMeter`` reads one while
 it is produced, a chunk at a time (MeteringMiddleware tees every body byte into one). Both give
-a :class:`StreamReport`. Supported wire formats: OpenAI Chat Completions (and the servers that
+a ``StreamReport``. Supported wire formats: OpenAI Chat Completions (and the servers that
 speak it), OpenAI Responses, Anthropic Messages and Google Gemini; the format is detected from
 the first events unless it is given.
 
@@ -112,10 +112,10 @@ def _first_blank_line(data: bytes) -> int:
 
 
 class StreamMeter:
-    """Read a stream chunk by chunk; :meth:`feed` never awaits and never raises.
+    """Read a stream chunk by chunk; ``feed`` never awaits and never raises.
 
     ``provider`` fixes the wire format (one of the ``provider_format`` names); None detects it.
-    It holds at most about :data:`WINDOW` bytes of the stream: an event larger than that is
+    It holds at most about ``WINDOW`` bytes of the stream: an event larger than that is
     skipped unread (``skipped_events``), and the stream is read on from the next event.
     """
 
@@ -465,7 +465,7 @@ def llm_shape(shape: Any, status: int | None) -> bool:
 
 
 def analyze(body: bytes, provider: str | None = None) -> StreamReport:
-    """Analyze a whole ``text/event-stream`` body; ``provider`` as for :class:`StreamMeter`."""
+    """Analyze a whole ``text/event-stream`` body; ``provider`` as for ``StreamMeter``."""
     meter = StreamMeter(provider)
     meter.feed(body)
     return meter.report()

@@ -1,7 +1,7 @@
 """An incremental Server-Sent Events decoder: the WHATWG "interpreting an event stream" algorithm.
 
-:class:`SSEDecoder` turns the bytes of a ``text/event-stream`` body, cut into chunks anywhere
-(inside a line, a CRLF pair or a multi-byte UTF-8 sequence), into :class:`ServerSentEvent`
+``SSEDecoder`` turns the bytes of a ``text/event-stream`` body, cut into chunks anywhere
+(inside a line, a CRLF pair or a multi-byte UTF-8 sequence), into ``ServerSentEvent``
 records, exactly as a browser's ``EventSource`` would dispatch them: UTF-8 with replacement of
 invalid sequences, one leading BOM stripped, CR / LF / CRLF line ends, comments counted and
 ignored, ``data`` lines joined with ``"\\n"``, an event with no ``data`` not dispatched, ``id``
@@ -9,8 +9,8 @@ persisting across events, ``retry`` only when all ASCII digits, and an event cut
 of the stream discarded.
 
 Memory is bounded: a line longer than ``max_line_bytes`` or an event whose data is larger than
-``max_event_bytes`` (UTF-8) raises :class:`SSEDecodeError`, the only exception
-:meth:`SSEDecoder.feed` raises::
+``max_event_bytes`` (UTF-8) raises ``SSEDecodeError``, the only exception
+``SSEDecoder.feed`` raises::
 
     decoder = SSEDecoder()
     for chunk in body_chunks:
@@ -115,7 +115,7 @@ class SSEDecoder:
     """Decode an event stream incrementally; see the module docstring for the rules.
 
     ``last_event_id`` is the last event ID string and ``bytes_fed`` the number of bytes given
-    to :meth:`feed`.
+    to ``feed``.
 
     Blocks of the form ``data: VALUE`` and ``event: NAME`` + ``data: VALUE`` are recognised
     whole and decoded with one UTF-8 decode per chunk; anything else goes through the
@@ -186,7 +186,7 @@ class SSEDecoder:
     def feed(self, chunk: bytes) -> list[ServerSentEvent]:
         """Decode ``chunk``; return the events it completed, in order.
 
-        Raises :class:`SSEDecodeError` when the stream breaks a size limit, and from then on.
+        Raises ``SSEDecodeError`` when the stream breaks a size limit, and from then on.
         """
         size = len(chunk)
         self.bytes_fed += size
@@ -274,7 +274,7 @@ class SSEDecoder:
     def close(self) -> list[ServerSentEvent]:
         """End of stream: discard an event that was cut off, which is never dispatched.
 
-        Returns no events; it exists so that a stream's end is explicit, like :meth:`feed`.
+        Returns no events; it exists so that a stream's end is explicit, like ``feed``.
         """
         self._comments = self.comment_count
         self._retry = self.retry
@@ -412,7 +412,7 @@ class SSEDecoder:
     def _blocks(self, text: str, field: str, out: list[ServerSentEvent]) -> None:
         """Parse ``field + text``, blocks separated by blank lines, up to the next run.
 
-        A block that starts a run of another shape hands the rest to :meth:`_run`. That rest
+        A block that starts a run of another shape hands the rest to ``_run``. That rest
         holds no block starting with the shape ``text`` was cut from, so this recurses at most
         twice whatever the input.
         """

@@ -7,14 +7,14 @@ Register every response of your own client with one line::
 
     client = httpx.AsyncClient(event_hooks={"response": [track_response]})
 
-:func:`open_stream` opens a provider's event stream and watches it: a refused request is
-an :class:`UpstreamStatusError` before any byte reaches the client; a first event that
+``open_stream`` opens a provider's event stream and watches it: a refused request is
+an ``UpstreamStatusError`` before any byte reaches the client; a first event that
 does not come, a silence between events, an error event or a body that ends without the
-protocol's terminal marker raise the matching :class:`UpstreamStreamError`, which
+protocol's terminal marker raise the matching ``UpstreamStreamError``, which
 DisconnectMiddleware turns into an ``event: error`` frame of that ``error_type`` (or, before
 the response started, a ``502``/``504`` ``application/problem+json`` answer of that type),
 logged in one line, never raised to the server; an upstream that cannot be reached is an
-:class:`UpstreamUnreachable`::
+``UpstreamUnreachable``::
 
     try:
         upstream = await open_stream(client, client.build_request("POST", url, json=body),
@@ -116,7 +116,7 @@ def track(upstream: Closable) -> bool:
 
 
 async def track_response(response: Closable) -> None:
-    """An httpx (or httpx2) ``response`` event hook that calls :func:`track`."""
+    """An httpx (or httpx2) ``response`` event hook that calls ``track``."""
     if track(response):
         _describe(getattr(response, "request", None))
 
@@ -241,10 +241,10 @@ async def open_stream(
     usage chunk and the ``"usage":null`` of the other chunks are taken out). A caller that
     asked gets the usage as it asked.
 
-    A non-2xx status raises :class:`UpstreamStatusError` here, before the caller starts
+    A non-2xx status raises ``UpstreamStatusError`` here, before the caller starts
     its own response. ``first_token_timeout`` runs from now to the first event (not to the
     headers), ``idle_timeout`` between events; keep-alive comments are not events. The
-    response is tracked on the current request (:func:`track`) and closed, shielded, on
+    response is tracked on the current request (``track``) and closed, shielded, on
     every way out of the iteration. Give the client a read timeout longer than both (or
     none): these are the ones that tell a slow stream from a dead one.
     """
@@ -281,7 +281,7 @@ async def open_stream(
 
 
 class UpstreamStream:
-    """A provider's event stream as it arrives, checked as it goes (see :func:`open_stream`)."""
+    """A provider's event stream as it arrives, checked as it goes (see ``open_stream``)."""
 
     def __init__(
         self,
@@ -359,7 +359,7 @@ class UpstreamStream:
 
     def _hidden(self, chunk: bytes) -> bytes:
         """``chunk`` as the caller would have had it without asking for usage: whole events
-        only, each through :func:`_without_usage`."""
+        only, each through ``_without_usage``."""
         data = self._pending + chunk
         end = data.rfind(b"\n\n")
         if end < 0:

@@ -51,7 +51,7 @@ def connect(
     process, past which producers wait on the store; default 64 MiB), ``lease``,
     ``sweep_interval``, ``ttl`` (default one day) and ``reap_interval``.
     Nothing connects until ``open()`` (the middleware calls it at lifespan startup), which
-    raises :class:`BackendUnavailable` saying why and what to do if the store cannot be
+    raises ``BackendUnavailable`` saying why and what to do if the store cannot be
     opened. A malformed URL or option is a ``ValueError`` at once.
     """
     scheme, sep, rest = url.partition("://")

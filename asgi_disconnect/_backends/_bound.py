@@ -21,10 +21,10 @@ class PendingBound:
     """Producers wait on the store, never on their clients, while more than ``limit`` bytes
     of output produced in this process wait to be written.
 
-    A generation's log is handed this as its ``hold``: its producer asks :meth:`room` once
+    A generation's log is handed this as its ``hold``: its producer asks ``room`` once
     the log holds more than ``HOLD_CHECK`` bytes (the store is behind on it), so a producer
-    the store keeps up with never asks. The backend calls :meth:`written` after each write
-    (or failed one) and :meth:`release` when it closes.
+    the store keeps up with never asks. The backend calls ``written`` after each write
+    (or failed one) and ``release`` when it closes.
     """
 
     __slots__ = ("_count", "_counted", "_recount_at", "_room", "_say_at", "limit", "url", "waits")

@@ -151,7 +151,7 @@ class DurableBackend:
     chunks and their final status. The window is ``flush_interval`` while flushes take
     less than a quarter of it; when they take longer it grows (more chunks per transaction,
     fewer transactions), up to ``max_flush_interval`` (default four flush intervals, at
-    most 1 s), and it shrinks back when they are quick again (:class:`FlushWindow`). A
+    most 1 s), and it shrinks back when they are quick again (``FlushWindow``). A
     ``kill -9`` loses at most the output of the current window plus the flush then under
     way. Each running generation holds a lease that a heartbeat renews, judged by the
     database's clock; a sweep marks generations whose owner stopped renewing as
@@ -528,7 +528,7 @@ class DurableBackend:
     @property
     def healthy(self) -> bool:
         """False once the store refuses writes for good: generations stay in this process's
-        memory, and claims and other writes raise :class:`BackendUnavailable`."""
+        memory, and claims and other writes raise ``BackendUnavailable``."""
         return self.failure is None
 
     def pending_bytes(self) -> int:

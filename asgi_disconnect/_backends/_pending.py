@@ -102,8 +102,8 @@ class _Tracked:
 
 class PendingWrites:
     """What this process produced and the store does not hold yet: each live generation
-    (and how much of it is durable) and the usage records. :meth:`take` makes the batch of
-    one flush; :meth:`committed` and :meth:`failed` say how that flush went.
+    (and how much of it is durable) and the usage records. ``take`` makes the batch of
+    one flush; ``committed`` and ``failed`` say how that flush went.
 
     ``len()`` is the number of live generations not yet written to their end. While the
     store is down, at most ``max_usage`` usage records wait; past that the oldest are

@@ -190,7 +190,7 @@ class SQLiteStore:
     WAL lets readers in other worker processes run beside the writer; ``busy_timeout``
     makes writers wait for each other instead of failing.
 
-    Live tails of generations written by other processes wait in :meth:`changed_from` on
+    Live tails of generations written by other processes wait in ``changed_from`` on
     one poller per store, which looks at every generation they wait on with one statement
     every ``poll_interval``: the polling costs the same for one tail or a thousand.
     """
@@ -561,7 +561,7 @@ class SQLiteStore:
     ) -> tuple[str, int] | None:
         """Wait until the generation's (status, size) differs from ``seen``, as the
         store's one poller sees it; return what it is now. None: gone, or not known (the
-        ``timeout`` passed, or the poller failed), so ask :meth:`info`."""
+        ``timeout`` passed, or the poller failed), so ask ``info``."""
         return await self._changes.changed_from(generation_id, seen, timeout)
 
     async def _read_states(self, ids: list[str]) -> dict[str, tuple[str, int]]:

@@ -81,7 +81,7 @@ class _Tail:
 
 
 class StoreTails:
-    """The generations this process follows in the store, one :class:`_Tail` each.
+    """The generations this process follows in the store, one ``_Tail`` each.
 
     The first reader of a generation starts the task that polls it; the last reader to
     leave stops it. ``len()`` is the number of generations followed now.

@@ -1,16 +1,16 @@
 """Test helpers: drive apps with clients that disconnect, and a fake LLM provider.
 
-- :func:`drive` calls an ASGI app in-process with a client that disconnects after N
-  bytes or T seconds, or stops reading; :func:`lifespan` runs its startup/shutdown.
-- :func:`run_server` serves an app with uvicorn, hypercorn (HTTP/1.1 or h2c) or granian
+- ``drive`` calls an ASGI app in-process with a client that disconnects after N
+  bytes or T seconds, or stops reading; ``lifespan`` runs its startup/shutdown.
+- ``run_server`` serves an app with uvicorn, hypercorn (HTTP/1.1 or h2c) or granian
   on loopback.
-- :func:`request` and :func:`stalled_request` are raw-socket HTTP/1.1 clients that close
-  mid-stream, or keep the socket open without reading; :func:`h2_request` and
-  :func:`h2_stalled_request` do the same over HTTP/2, where stalling means a flow-control
+- ``request`` and ``stalled_request`` are raw-socket HTTP/1.1 clients that close
+  mid-stream, or keep the socket open without reading; ``h2_request`` and
+  ``h2_stalled_request`` do the same over HTTP/2, where stalling means a flow-control
   window that is never reopened.
-- :class:`FakeProvider` streams OpenAI-chat and Anthropic-messages SSE over real TCP and
+- ``FakeProvider`` streams OpenAI-chat and Anthropic-messages SSE over real TCP and
   records, per request, how many tokens it generated before its connection closed; a
-  :class:`Fault` (for every request, or per request by header) makes it reset, stall, send
+  ``Fault`` (for every request, or per request by header) makes it reset, stall, send
   garbage, end without its terminal marker or answer an error status.
 """
 

@@ -2,7 +2,7 @@
 
 It records every API call and, crucially, notices a client that hangs up while a response is
 being generated (a concurrent reader sees EOF), so tests can assert that abandoned upstream calls
-really stopped. It can also misbehave as real upstreams do (a :class:`Fault`, per request or for
+really stopped. It can also misbehave as real upstreams do (a ``Fault``, per request or for
 every request): reset the connection, stall, send garbage, end without the terminal marker, or
 answer an HTTP error status instead of streaming.
 """
@@ -720,7 +720,7 @@ class FakeProvider:
     Per-request overrides (request headers): ``x-fake-tokens``, ``x-fake-rate`` (tokens/s,
     0 or ``inf`` for as fast as possible), ``x-fake-first-token-delay`` (seconds),
     ``x-fake-error-after`` (send the provider's mid-stream error frame after that many tokens)
-    and ``x-fake-fault`` (a :class:`Fault` in its text form, ``reset-after=20``, or ``none``),
+    and ``x-fake-fault`` (a ``Fault`` in its text form, ``reset-after=20``, or ``none``),
     which replaces the provider's ``fault`` for that request, so one provider serves a mix.
     """
 

@@ -201,12 +201,12 @@ async def h2_request(
     abortive: bool = False,
     reset_stream: bool = False,
 ) -> ClientResult:
-    """:func:`request` over HTTP/2 with prior knowledge (h2c), on a connection of its own.
+    """``request`` over HTTP/2 with prior knowledge (h2c), on a connection of its own.
 
     Every DATA frame is acknowledged as it is read. Hanging up closes the connection (FIN,
     or RST with `abortive`); with `reset_stream` the client first cancels the stream
     (RST_STREAM CANCEL), as a browser does when a tab stops a fetch. `stopped_by` is as for
-    :func:`request`; "reset" also covers a RST_STREAM or GOAWAY that dropped the stream.
+    ``request``; "reset" also covers a RST_STREAM or GOAWAY that dropped the stream.
     """
     exchange = await _H2Exchange.open(
         url, method=method, headers=headers, body=body, timeout=timeout, reset_stream=reset_stream

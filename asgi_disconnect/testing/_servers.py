@@ -46,10 +46,10 @@ _GRANIAN_LOGGING: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class RunningServer:
-    """Where a server started by :func:`run_server` listens, and how to talk to it.
+    """Where a server started by ``run_server`` listens, and how to talk to it.
 
     `http2` means clients must speak HTTP/2 with prior knowledge (h2c): use
-    :meth:`client`, :func:`h2_request` or :func:`h2_stalled_request`. `loop` is the
+    ``client``, ``h2_request`` or ``h2_stalled_request``. `loop` is the
     server's event loop when it runs in this process, else None.
     """
 
