@@ -21,6 +21,9 @@ client = httpx.AsyncClient(
     # Connect and send are bounded; a read may wait as long as a stream needs:
     # open_stream's timeouts below tell a slow stream from a dead one.
     timeout=httpx.Timeout(connect=10.0, read=None, write=30.0, pool=10.0),
+    # Each stream holds its upstream connection until it ends; httpx's default pool of 100
+    # would keep the 101st waiting for one. Room for 1,000 at once, 100 kept open when idle.
+    limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
     # Ties each upstream response to its request, so a cancel always closes it.
     event_hooks={"response": [track_response]},
 )

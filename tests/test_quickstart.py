@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -80,13 +81,15 @@ def test_the_quickstart_gateway_relays_and_meters(document: str, tmp_path: Path)
 
 @contextlib.contextmanager
 def quickstart(
-    tmp_path: Path, provider: FakeProvider, document: str = "examples/gateway.py"
+    tmp_path: Path, provider: FakeProvider | str, document: str = "examples/gateway.py"
 ) -> Iterator[tuple[str, Path]]:
-    """The quickstart's gateway from ``document`` under uvicorn against ``provider``: its URL
-    and its log (read it once the block has exited: uvicorn has stopped by then)."""
+    """The quickstart's gateway from ``document`` under uvicorn against ``provider`` (or the
+    URL of one): its URL and its log (read it once the block has exited: uvicorn has stopped
+    by then)."""
     (tmp_path / "gateway.py").write_text(gateway_block(ROOT / document))
     port = free_port()
-    env = {**os.environ, "UPSTREAM_URL": provider.url, "PYTHONUNBUFFERED": "1"}
+    upstream = provider if isinstance(provider, str) else provider.url
+    env = {**os.environ, "UPSTREAM_URL": upstream, "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "out.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -134,3 +137,134 @@ def test_a_rate_limited_answer_releases_the_idempotency_key(tmp_path: Path) -> N
         replayed = httpx.post(f"{url}/v1/chat/completions", content=BODY, headers=headers)
         assert replayed.headers.get("idempotent-replayed") == "true"
     assert len(provider.requests) == 2
+
+
+def documented_provider_command() -> list[str]:
+    """The FakeProvider command docs/quickstart.md tells the reader to run, as arguments."""
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    (line,) = re.findall(r"^python -m asgi_disconnect\.testing\.fake_provider .*$", text, re.M)
+    return shlex.split(line.split("&")[0])
+
+
+@contextlib.contextmanager
+def documented_provider(tmp_path: Path) -> Iterator[str]:
+    """FakeProvider run as docs/quickstart.md says (on a free port): its URL."""
+    command = documented_provider_command()
+    assert command[:3] == ["python", "-m", "asgi_disconnect.testing.fake_provider"], command
+    options = command[3:]
+    port = free_port()
+    options[options.index("--port") + 1] = str(port)
+    log = tmp_path / "provider.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "asgi_disconnect.testing.fake_provider", *options],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 20
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    httpx.get(f"{url}/health", timeout=0.5).raise_for_status()
+                    break
+                assert proc.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(20)
+
+
+@pytest.mark.server
+def test_the_documented_run_leaves_time_to_press_ctrl_c(tmp_path: Path) -> None:
+    """docs/quickstart.md's FakeProvider command streams slowly enough for a person to press
+    Ctrl-C mid-stream; a client that leaves after the first tokens is printed ``cancelled``
+    with fewer tokens than a whole answer, and a whole answer prints what the page says."""
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    (printed,) = re.findall(r"The gateway prints `gen_\.\.\. ([^`]+)`", text)
+    options = documented_provider_command()
+    # Without --rate, the command streams at FakeProvider's default pace.
+    rate = (
+        float(options[options.index("--rate") + 1])
+        if "--rate" in options
+        else FakeProvider().tokens_per_second
+    )
+    headers = {"authorization": "Bearer sk-anything", "content-type": "application/json"}
+    with (
+        documented_provider(tmp_path) as upstream,
+        quickstart(tmp_path, upstream, "docs/quickstart.md") as (url, log),
+    ):
+        whole = asyncio.run(
+            request(f"{url}/v1/chat/completions", method="POST", headers=headers, body=BODY)
+        )
+        cut = asyncio.run(
+            request(
+                f"{url}/v1/chat/completions",
+                method="POST",
+                headers=headers,
+                body=BODY,
+                disconnect_when=lambda body: b"data: " in body,  # Ctrl-C at the first token
+            )
+        )
+        deadline = time.monotonic() + 10
+        while log.read_text().count(" out (") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        output = log.read_text()
+    assert f"{whole.headers['x-generation-id']} {printed}" in output, output
+    complete = re.search(r"complete: \d+ in, (\d+) out", output)
+    assert complete, output
+    tokens = int(complete[1])
+    assert tokens / rate >= 3, f"a whole stream lasts {tokens / rate:g} s: too quick to try"
+    cancelled = re.search(rf"{cut.headers['x-generation-id']} cancelled: \d+ in, (\d+) out", output)
+    assert cancelled, output
+    assert int(cancelled[1]) < tokens
+
+
+@pytest.mark.parametrize("document", ["docs/quickstart.md", "README.md"])
+def test_the_documents_show_the_example_file(document: str) -> None:
+    assert gateway_block(ROOT / document) == gateway_block(ROOT / "examples" / "gateway.py")
+
+
+@pytest.mark.server
+def test_the_quickstart_relays_more_streams_at_once_than_httpxs_default_pool(
+    tmp_path: Path,
+) -> None:
+    """Each relayed stream holds an upstream connection until it ends: with httpx's default
+    pool (100 connections) the 101st would wait for one; the quickstart's has room."""
+    streams = 120
+    # Every stream sends a token, then holds its connection open until the client leaves.
+    provider = FakeProvider(tokens=50, tokens_per_second=0, fault="stall-after=1")
+    headers = {"authorization": "Bearer sk-anything", "content-type": "application/json"}
+
+    async def hold_streams(url: str) -> tuple[int, int]:
+        """How many streams reached the provider at once, and how many of those were open."""
+        clients = [
+            asyncio.create_task(
+                request(
+                    f"{url}/v1/chat/completions",
+                    method="POST",
+                    headers=headers,
+                    body=BODY,
+                    timeout=60,
+                )
+            )
+            for _ in range(streams)
+        ]
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(30):
+                    while len(provider.requests) < streams:
+                        await asyncio.sleep(0.05)
+            reached = provider.requests
+            return len(reached), sum(request.closed_at is None for request in reached)
+        finally:
+            for client in clients:
+                client.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
+
+    with provider, quickstart(tmp_path, provider) as (url, _):
+        reached, open_at_once = asyncio.run(hold_streams(url))
+    assert reached == streams
+    assert open_at_once == streams
