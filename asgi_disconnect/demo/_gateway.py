@@ -7,9 +7,12 @@ Routes:
   (Anthropic-compatible): policy ``cancel``, streamed or not, as the request asks;
 - ``POST /v1/reports``: long-form, OpenAI-compatible, policy ``detach``;
 - ``/generations/...``: status, resume, Stop (the stack's own);
-- ``GET /``: the web page; ``POST /ask``: its form, answered as server-rendered HTML;
+- ``GET /``: the web page (``?g={id}``: as that generation stands); ``POST /ask``: its form,
+  which starts a generation on ``/v1/reports`` and redirects to it; ``POST /stop``: its Stop
+  form, which stops the generation and redirects back;
 - ``GET /demo/usage/{id}``: a request's usage record once it is settled (404 before, and
-  for another caller's); ``GET /demo/stats``: the live panel's figures;
+  for another caller's), with what reached the caller over all the requests that read it;
+  ``GET /demo/stats``: the live panel's figures; ``GET /demo/chart``: its chart (SVG);
 - ``GET /readyz``, ``POST /drainz``: readiness and drain (with the drain token).
 
 Who a caller is: its credential headers (the package's default), else the page's session
@@ -20,17 +23,23 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import html
 import json
+import re
 import secrets
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import FastAPI, Form, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 
 from .. import (
     DisconnectMiddleware,
@@ -40,14 +49,17 @@ from .. import (
     default_principal,
     disconnect_policy,
     install,
-    metered,
 )
-from ..sse import SSEDecoder
 from ..upstream import UpstreamStatusError, UpstreamStreamError, open_stream
-from ._page import page, page_parts
+from ._answer import read_answer
+from ._delivery import Delivery, DeliveryMiddleware
+from ._inner import call
+from ._page import METERING, RouteTokens, View, chart, cost_line, render
 
 if TYPE_CHECKING:
     from starlette.types import Scope
+
+    from .. import GenerationReader
 
 __all__ = ["make_app"]
 
@@ -55,6 +67,7 @@ __all__ = ["make_app"]
 _FORWARDED = ("authorization", "x-api-key", "anthropic-version", "anthropic-beta", "content-type")
 _DEFAULT_PROMPT = "Write a short report on why streamed answers should survive a disconnect."
 SESSION_COOKIE = "asgi_demo_session"
+_GENERATION = re.compile(r"gen_[A-Za-z0-9_-]{1,64}")
 
 
 def _session(scope: Scope) -> str | None:
@@ -95,6 +108,8 @@ def make_app(
     drains it)."""
     usage: dict[str, UsageRecord] = {}
     order: deque[str] = deque()
+    backend = connect(backend_url)
+    delivery = Delivery()
     client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(None, connect=10.0))
 
     def keep(record: UsageRecord) -> None:
@@ -156,7 +171,11 @@ def make_app(
             return JSONResponse(error, status_code=exc.status_code, headers=headers)
         except (UpstreamStreamError, httpx.HTTPError) as exc:
             return _problem(502, "upstream-unreachable", f"The upstream failed: {exc}")
-        return StreamingResponse(stream, media_type="text/event-stream")
+        generation_id = request.scope["asgi_disconnect"].generation_id
+        return StreamingResponse(
+            delivery.produced(generation_id, _prompt_of(payload), stream),
+            media_type="text/event-stream",
+        )
 
     @app.post("/v1/chat/completions")
     @disconnect_policy("cancel")
@@ -173,74 +192,11 @@ def make_app(
     async def reports(request: Request) -> Response:
         return await relay(request, "/v1/chat/completions")
 
-    @app.get("/", response_class=HTMLResponse)
-    async def index(request: Request, g: str | None = None) -> HTMLResponse:
-        response = HTMLResponse(page(prompt=_DEFAULT_PROMPT, generation_id=g, model=model))
-        if _session(request.scope) is None:
-            # The page's identity: what it asks for, it alone reads back, resumes and stops.
-            response.set_cookie(
-                SESSION_COOKIE, secrets.token_urlsafe(24), httponly=True, samesite="strict"
-            )
-        return response
-
-    @app.post("/ask")
-    @disconnect_policy("detach")
-    @metered(False)  # an HTML page: its usage is the upstream call's, not this body's
-    async def ask(request: Request, prompt: str = Form(...)) -> Response:
-        body = _chat_body(model, prompt)
-        outgoing = client.build_request(
-            "POST", "/v1/chat/completions", json=body, headers=upstream_headers(request)
-        )
-        try:
-            stream = await open_stream(
-                client, outgoing, first_token_timeout=first_token_timeout, idle_timeout=idle_timeout
-            )
-        except UpstreamStreamError as exc:
-            return HTMLResponse(
-                page(prompt=prompt, answer="", state="failed", message=str(exc)), status_code=502
-            )
-        return StreamingResponse(
-            _rendered(prompt, model, stream), media_type="text/html; charset=utf-8"
-        )
-
-    @app.get("/demo/usage/{generation_id}")
-    async def usage_of(request: Request, generation_id: str) -> Response:
-        record = usage.get(generation_id)
-        caller = demo_principal(request.scope)
-        # Another caller's record is one that does not exist, as for the generations.
-        if record is None or not caller or record.principal != caller:
-            return _problem(404, "usage-not-settled", "No usage record yet: metering…")
-        fields = (
-            "generation_id", "route", "outcome", "policy", "detached", "usage_source",
-            "model", "input_tokens", "output_tokens", "delivered_output_tokens",
-            "produced_bytes", "delivered_bytes", "error_type", "finish_reason",
-        )  # fmt: skip
-        return JSONResponse({name: getattr(record, name) for name in fields})
-
-    @app.get("/demo/stats")
-    async def stats() -> dict[str, Any]:
-        counters: dict[str, int] = {}
-        in_flight = 0
-        layer: Any = app.middleware_stack
-        while layer is not None:
-            if isinstance(layer, DisconnectMiddleware):
-                counters = layer.counters.as_dict()
-            elif isinstance(layer, DrainMiddleware):
-                in_flight = layer.in_flight - 1  # not this request
-            layer = getattr(layer, "app", None)
-        records = list(usage.values())
-        return {
-            "in_flight": in_flight,
-            "cancelled": counters.get("cancelled", 0) + counters.get("stopped", 0),
-            "detached": counters.get("detached", 0),
-            "detach_completed": counters.get("detach_completed", 0),
-            "billed_output_tokens": sum(r.output_tokens or 0 for r in records),
-            "delivered_output_tokens": sum(r.delivered_output_tokens or 0 for r in records),
-        }
+    _Pages(model=model, usage=usage, delivery=delivery, backend=backend).add_routes(app)
 
     install(
         app,
-        backend=connect(backend_url),
+        backend=backend,
         sinks=[keep],
         idempotency=True,
         principal=demo_principal,
@@ -248,6 +204,7 @@ def make_app(
         # The page and the panel are not generations.
         exclude_paths=(r"/$", r"/demo/"),
     )
+    app.add_middleware(DeliveryMiddleware, delivery=delivery)
     return app
 
 
@@ -260,44 +217,188 @@ def _chat_body(model: str, prompt: str) -> dict[str, Any]:
     }
 
 
-async def _rendered(prompt: str, model: str, stream: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
-    """The page, server-rendered as the answer arrives: it works without JavaScript. The
-    state comes after the answer, so it says how the stream ended."""
-    head, _ = page_parts(prompt=prompt, state="streaming", scripted=False, model=model)
-    yield head.encode()
-    decoder = SSEDecoder()
-    done = False
-    failure = None
-    try:
-        async for chunk in stream:
-            for event in decoder.feed(chunk):
-                if event.data == "[DONE]":
-                    done = True
-                    continue
-                text = _delta(event.data)
-                if text:
-                    yield html.escape(text).encode()
-    except UpstreamStreamError as exc:
-        failure = f"The answer failed: {exc}"
-    if done and failure is None:
-        state, message = "done", "Done."
-    else:
-        state, message = "failed", failure or "The answer ended before it was complete."
-    _, tail = page_parts(prompt=prompt, state=state, message=message, scripted=False, model=model)
-    yield tail.encode()
+class _Pages:
+    """The page's routes: what the form starts, stops and shows, read back as its caller."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        usage: dict[str, UsageRecord],
+        delivery: Delivery,
+        backend: GenerationReader,
+    ) -> None:
+        self.model = model
+        self.usage = usage
+        self.delivery = delivery
+        self.backend = backend
+        self.app: FastAPI | None = None
+
+    def add_routes(self, app: FastAPI) -> None:
+        self.app = app
+        app.get("/", response_class=HTMLResponse)(self.index)
+        app.post("/ask")(self.ask)
+        app.post("/stop")(self.stop)
+        app.get("/demo/usage/{generation_id}")(self.usage_of)
+        app.get("/demo/stats")(self.stats)
+        app.get("/demo/chart")(self.chart)
+
+    def record_of(self, scope: Scope, generation_id: str) -> UsageRecord | None:
+        """The generation's usage record, if it is settled and the caller's."""
+        record = self.usage.get(generation_id)
+        caller = demo_principal(scope)
+        if record is None or not caller or record.principal != caller:
+            return None
+        return record
+
+    def cost(self, scope: Scope, generation_id: str) -> str:
+        record = self.record_of(scope, generation_id)
+        if record is None:
+            return METERING
+        return cost_line(record, self.delivery.of(record)[1])
+
+    def view(self, prompt: str = _DEFAULT_PROMPT, **shown: Any) -> View:
+        return View(
+            prompt=prompt,
+            model=self.model,
+            chart=chart(self.routes()),
+            stats=self.figures(),
+            **shown,
+        )
+
+    async def index(self, request: Request, g: str | None = None) -> HTMLResponse:
+        if g is None:
+            response = HTMLResponse(render(self.view()))
+        else:
+            response = await self.generation_page(request, g)
+        if _session(request.scope) is None:
+            # The page's identity: what it asks for, it alone reads back, resumes and stops.
+            response.set_cookie(
+                SESSION_COOKIE, secrets.token_urlsafe(24), httponly=True, samesite="strict"
+            )
+        return response
+
+    async def generation_page(self, request: Request, generation_id: str) -> HTMLResponse:
+        """The generation as it stands, read back as its caller (anyone else: not found)."""
+        caller = demo_principal(request.scope)
+        info = await self.backend.get(generation_id)
+        owner = await self.backend.principal_of(generation_id) if info is not None else None
+        if info is None or not caller or owner != caller:
+            message = "No such generation for this page."
+            return HTMLResponse(render(self.view(state="failed", message=message)), 404)
+        data = bytearray()
+        if info.size:
+            async with contextlib.aclosing(self.backend.follow(generation_id, 0)) as chunks:
+                async for chunk in chunks:
+                    data += chunk
+                    if len(data) >= info.size:
+                        break
+        answer = read_answer(info, bytes(data[: info.size]))
+        self.delivery.reached(generation_id, answer.offset)
+        shown = self.view(
+            self.delivery.prompt_of(generation_id) or _DEFAULT_PROMPT,
+            generation_id=generation_id,
+            state=answer.state,
+            message=answer.message,
+            answer=answer.text,
+            offset=answer.offset,
+            cost=self.cost(request.scope, generation_id),
+        )
+        return HTMLResponse(render(shown))
+
+    async def ask(self, request: Request, prompt: str = Form(...)) -> Response:
+        """Start the answer as the page's script would (``/v1/reports``, detach), then show
+        it: the page's address names the generation, so a reload reads on."""
+        body = json.dumps(_chat_body(self.model, prompt)).encode()
+        started = await call(request.app, request.scope, "POST", "/v1/reports", body, leave=True)
+        generation_id = started.headers.get("x-generation-id")
+        if started.status == 200 and generation_id:
+            return RedirectResponse(f"/?g={generation_id}", status_code=303)
+        try:
+            detail = json.loads(started.body)
+        except ValueError:
+            detail = {}
+        error = detail.get("error") if isinstance(detail, dict) else None
+        reason = (
+            error.get("message") if isinstance(error, dict) else detail.get("detail")
+        ) or started.body.decode("utf-8", "replace")
+        message = f"The request failed ({started.status}): {reason}"
+        failed = self.view(prompt, state="failed", message=message)
+        return HTMLResponse(render(failed), status_code=started.status or 502)
+
+    async def stop(self, request: Request, g: str = Form(...)) -> Response:
+        """The Stop form: stop the generation as its caller, then show the page again."""
+        if not _GENERATION.fullmatch(g):
+            return _problem(422, "invalid-request", "Missing or invalid: g.")
+        await call(request.app, request.scope, "POST", f"/generations/{g}/cancel")
+        return RedirectResponse(f"/?g={g}", status_code=303)
+
+    async def usage_of(self, request: Request, generation_id: str) -> Response:
+        record = self.record_of(request.scope, generation_id)
+        # Another caller's record is one that does not exist, as for the generations.
+        if record is None:
+            return _problem(404, "usage-not-settled", "No usage record yet: metering…")
+        fields = (
+            "generation_id", "route", "outcome", "policy", "detached", "usage_source",
+            "model", "input_tokens", "output_tokens", "produced_bytes", "error_type",
+            "finish_reason",
+        )  # fmt: skip
+        answer: dict[str, Any] = {name: getattr(record, name) for name in fields}
+        delivered_bytes, delivered_tokens = self.delivery.of(record)
+        answer |= {
+            "delivered_bytes": delivered_bytes,
+            "delivered_output_tokens": delivered_tokens,
+            # What the request that started it delivered, before any reload.
+            "first_request_delivered_output_tokens": record.delivered_output_tokens,
+            "summary": cost_line(record, delivered_tokens),
+        }
+        return JSONResponse(answer)
+
+    def routes(self) -> list[RouteTokens]:
+        billed: dict[str, int] = {}
+        delivered: dict[str, int] = {}
+        for record in list(self.usage.values()):
+            billed[record.route] = billed.get(record.route, 0) + (record.output_tokens or 0)
+            tokens = self.delivery.of(record)[1] or 0
+            delivered[record.route] = delivered.get(record.route, 0) + tokens
+        return [RouteTokens(route, billed[route], delivered[route]) for route in sorted(billed)]
+
+    def figures(self) -> dict[str, int]:
+        """The live panel's figures: the stack's counters, and output tokens over all routes."""
+        counters: dict[str, int] = {}
+        in_flight = 0
+        layer: Any = self.app.middleware_stack if self.app is not None else None
+        while layer is not None:
+            if isinstance(layer, DisconnectMiddleware):
+                counters = layer.counters.as_dict()
+            elif isinstance(layer, DrainMiddleware):
+                in_flight = layer.in_flight - 1  # not this request
+            layer = getattr(layer, "app", None)
+        rows = self.routes()
+        return {
+            "in_flight": in_flight,
+            "cancelled": counters.get("cancelled", 0) + counters.get("stopped", 0),
+            "detached": counters.get("detached", 0),
+            "detach_completed": counters.get("detach_completed", 0),
+            "billed_output_tokens": sum(row.billed for row in rows),
+            "delivered_output_tokens": sum(row.delivered for row in rows),
+        }
+
+    async def stats(self) -> dict[str, int]:
+        return self.figures()
+
+    async def chart(self) -> Response:
+        return Response(chart(self.routes()), media_type="image/svg+xml")
 
 
-def _delta(data: str) -> str:
-    try:
-        payload = json.loads(data)
-    except ValueError:
-        return ""
-    choices = payload.get("choices") if isinstance(payload, dict) else None
-    if not choices or not isinstance(choices[0], dict):
-        return ""
-    delta = choices[0].get("delta") or {}
-    content = delta.get("content") if isinstance(delta, dict) else None
-    return content if isinstance(content, str) else ""
+def _prompt_of(payload: dict[str, Any]) -> str:
+    """The last message's text, as the page's form sent it."""
+    messages = payload.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+        content = messages[-1].get("content")
+        if isinstance(content, str):
+            return content
+    return ""
 
 
 def _problem(status: int, slug: str, detail: str) -> JSONResponse:

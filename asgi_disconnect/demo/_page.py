@@ -1,57 +1,133 @@
-"""The demo's web page: rendered on the server, usable before any JavaScript arrives.
+"""The demo's web page: rendered on the server, whole without JavaScript.
 
-Without JavaScript the form posts to ``/ask`` and the answer is streamed into the page as
-HTML. With it, the page streams ``/v1/reports`` (detach) or ``/v1/chat/completions``
-(cancel) as SSE, keeps the generation id in the address, resumes after a reload or a lost
-connection (event-aligned, ``Last-Event-ID``), stops the upstream with Stop
-(``POST /generations/{id}/cancel``), shows the cost once the usage record is settled, and
-polls the live panel. Three states: streaming, done (the protocol's terminal marker
-arrived), failed (anything else: an error frame, a truncated or interrupted stream, a Stop).
+The form posts to ``/ask``, which starts a generation on ``/v1/reports`` (detach) and
+redirects to ``/?g={id}``: the page as the generation stands, its status, its answer so far,
+its cost once the usage record is settled, a Stop form while it runs; without JavaScript it
+reloads itself every second until there is nothing more to show. With JavaScript the page
+streams ``/v1/reports`` or ``/v1/chat/completions`` (cancel) itself, reads on through
+``/generations/{id}/stream`` after a reload or a lost connection (``Last-Event-ID``), stops
+with ``POST /generations/{id}/cancel``, and keeps the live panel and its chart up to date.
+Four states: waiting (for the first token), streaming, done (the protocol's terminal
+marker arrived), failed (an error frame, a truncated or interrupted stream, a Stop).
 """
 
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["page", "page_parts"]
+if TYPE_CHECKING:
+    from .. import UsageRecord
+
+__all__ = ["METERING", "RouteTokens", "View", "chart", "cost_line", "render"]
 
 _STYLE = """
-body { font: 16px/1.5 system-ui, sans-serif; margin: 0 auto; max-width: 60rem; padding: 1rem; }
-textarea { width: 100%; min-height: 4rem; font: inherit; }
-pre#answer { white-space: pre-wrap; background: #f6f6f6; padding: 1rem; min-height: 6rem; }
-.state { font-weight: 600; }
-.state.streaming { color: #8a6d00; }
+:root { --ink: #1d232b; --muted: #5b6675; --line: #dfe3e8; --card: #f7f8fa; }
+body { font: 16px/1.5 system-ui, sans-serif; color: var(--ink); margin: 0 auto;
+  max-width: 56rem; padding: 1rem 1.25rem 2rem; }
+h1 { font-size: 1.5rem; margin: 0.5rem 0 0.25rem; }
+header p { color: var(--muted); margin-top: 0; }
+label[for=prompt] { font-weight: 600; }
+textarea { box-sizing: border-box; width: 100%; min-height: 4rem; font: inherit;
+  padding: 0.5rem; border: 1px solid var(--line); border-radius: 6px; }
+.actions { display: flex; gap: 0.75rem; align-items: center; flex-wrap: wrap; }
+button { font: inherit; padding: 0.35rem 1.1rem; border-radius: 6px; border: 1px solid #9aa5b1;
+  background: #fff; cursor: pointer; }
+#send { background: #1d4ed8; border-color: #1d4ed8; color: #fff; }
+#stop { border-color: #b00020; color: #b00020; }
+#result { margin-top: 1.25rem; border: 1px solid var(--line); border-radius: 8px;
+  padding: 0.75rem 1rem; background: var(--card); }
+.bar { display: flex; gap: 1rem; align-items: center; flex-wrap: wrap; }
+.bar form { margin: 0 0 0 auto; }
+#generation { color: var(--muted); font: 0.85rem ui-monospace, monospace; }
+pre#answer { white-space: pre-wrap; background: #fff; border: 1px solid var(--line);
+  border-radius: 6px; padding: 0.75rem; min-height: 5rem; margin: 0.75rem 0; }
+pre#answer:empty::before { content: attr(data-empty); color: var(--muted); }
+.state { font-weight: 600; margin: 0; padding: 0.1rem 0.6rem; border-radius: 999px;
+  background: #eef0f3; }
+.state::before { content: "●"; margin-right: 0.4rem; }
+.state.waiting { color: #6b4fbb; } .state.waiting::before { animation: pulse 1s infinite; }
+.state.streaming { color: #8a6d00; } .state.streaming::before { animation: pulse 0.6s infinite; }
 .state.done { color: #16702e; }
 .state.failed { color: #b00020; }
-#panel { border-top: 1px solid #ddd; margin-top: 1.5rem; font-size: 0.9rem; }
-#panel dl { display: grid; grid-template-columns: max-content auto; gap: 0 1rem; }
-button { font: inherit; padding: 0.3rem 1rem; }
+@keyframes pulse { 50% { opacity: 0.2; } }
+#cost { margin: 0; color: var(--muted); font-size: 0.95rem; }
+#panel { margin-top: 1.5rem; font-size: 0.9rem; display: grid; gap: 0 2rem;
+  grid-template-columns: max-content 1fr; align-items: start; }
+#panel h2 { grid-column: 1 / -1; font-size: 1.1rem; margin: 0 0 0.5rem; }
+#panel dl { display: grid; grid-template-columns: max-content auto; gap: 0 1rem; margin: 0; }
+#panel dd { margin: 0; font-variant-numeric: tabular-nums; }
+#chart figcaption { color: var(--muted); }
+#chart svg { max-width: 100%; height: auto; }
+@media (max-width: 40rem) { #panel { grid-template-columns: 1fr; } }
 """
 
-_LABELS = {"streaming": "Streaming…", "done": "Done.", "failed": "Failed."}
+_LABELS = {"idle": "Ask something.", "waiting": "Waiting for the first token…"}
+_STATS = (
+    ("in_flight", "in flight"),
+    ("cancelled", "cancelled"),
+    ("detached", "detached"),
+    ("detach_completed", "detach completed"),
+    ("billed_output_tokens", "output tokens billed"),
+    ("delivered_output_tokens", "output tokens delivered"),
+)
+METERING = "Cost: metering…"
 
 # The page's script, a file of its own beside this module.
 _SCRIPT = (Path(__file__).parent / "page.js").read_text(encoding="utf-8")
 
 
-def page_parts(
-    *,
-    prompt: str,
-    generation_id: str | None = None,
-    state: str = "idle",
-    message: str = "",
-    scripted: bool = True,
-    model: str = "fake-model",
-) -> tuple[str, str]:
-    """The page around its answer: what comes before the answer's text, and after it."""
-    label = message or _LABELS.get(state, "Ask something.")
-    head = f"""<!doctype html>
+@dataclass(frozen=True, kw_only=True)
+class View:
+    """What the page shows."""
+
+    prompt: str
+    model: str = "fake-model"
+    generation_id: str | None = None
+    state: str = "idle"  # idle, waiting, streaming, done, failed
+    message: str = ""
+    answer: str = ""
+    offset: int = 0  # the generation's log bytes the answer was read from
+    cost: str = ""
+    chart: str = ""
+    stats: dict[str, int] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.generation_id is not None and self.state in ("waiting", "streaming")
+
+    @property
+    def settling(self) -> bool:
+        """Without JavaScript, whether a reload would show more."""
+        return self.running or (self.generation_id is not None and self.cost == METERING)
+
+
+def _stop_form(view: View) -> str:
+    hidden = "" if view.running else " hidden"
+    value = html.escape(view.generation_id or "")
+    return (
+        f'<form id="stop-form" method="post" action="/stop"{hidden}>'
+        f'<input type="hidden" name="g" value="{value}">'
+        '<button type="submit" id="stop">Stop</button></form>'
+    )
+
+
+def render(view: View) -> str:
+    label = view.message or _LABELS.get(view.state, "")
+    refresh = '<noscript><meta http-equiv="refresh" content="1"></noscript>\n'
+    generation = f"Generation {view.generation_id}" if view.generation_id else ""
+    stats = view.stats or {}
+    cells = "".join(
+        f'<dt>{title}</dt><dd id="stat-{key}">{stats.get(key, "-")}</dd>' for key, title in _STATS
+    )
+    return f"""<!doctype html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>asgi-disconnect demo</title>
+{refresh if view.settling else ""}<title>asgi-disconnect demo</title>
 <style>{_STYLE}</style>
 </head>
 <body>
@@ -62,56 +138,98 @@ reload the page mid-answer and it resumes. Under <em>cancel</em> leaving stops t
 Stop stops it either way.</p>
 </header>
 <main>
-<form id="ask" method="post" action="/ask" data-model="{html.escape(model)}">
+<form id="ask" method="post" action="/ask" data-model="{html.escape(view.model)}">
 <label for="prompt">Prompt</label>
-<textarea id="prompt" name="prompt">{html.escape(prompt)}</textarea>
-<p><label><input type="checkbox" id="detach" checked> keep generating if I leave
-(detach; unchecked: cancel)</label></p>
-<button type="submit" id="send">Send</button>
-<button type="button" id="stop" hidden>Stop</button>
+<textarea id="prompt" name="prompt">{html.escape(view.prompt)}</textarea>
+<p class="actions"><button type="submit" id="send">Send</button>
+<label><input type="checkbox" id="detach" checked disabled>
+keep generating if I leave (detach; unchecked: cancel)</label></p>
 </form>
-<section id="result" data-state="{state}">
-<p id="generation">{"Generation " + html.escape(generation_id) if generation_id else ""}</p>
-<pre id="answer">"""
-    tail = f"""</pre>
-<p id="status" class="state {state}" data-state="{state}">{html.escape(label)}</p>
-<p id="cost"></p>
+<section id="result" data-state="{view.state}" data-offset="{view.offset}">
+<div class="bar">
+<p id="status" class="state {view.state}" data-state="{view.state}">{html.escape(label)}</p>
+<span id="generation">{html.escape(generation)}</span>
+{_stop_form(view)}
+</div>
+<pre id="answer" data-empty="The answer appears here.">{html.escape(view.answer)}</pre>
+<p id="cost">{html.escape(view.cost)}</p>
 </section>
 <aside id="panel">
 <h2>Live</h2>
-<dl>
-<dt>in flight</dt><dd id="stat-in_flight">-</dd>
-<dt>cancelled</dt><dd id="stat-cancelled">-</dd>
-<dt>detached</dt><dd id="stat-detached">-</dd>
-<dt>detach completed</dt><dd id="stat-detach_completed">-</dd>
-<dt>output tokens billed</dt><dd id="stat-billed_output_tokens">-</dd>
-<dt>output tokens delivered</dt><dd id="stat-delivered_output_tokens">-</dd>
-</dl>
+<dl>{cells}</dl>
+<figure id="chart">{view.chart}<figcaption>Output tokens per route: billed against
+delivered. A working cancel keeps them close.</figcaption></figure>
 </aside>
 </main>
-{"<script>" + _SCRIPT + "</script>" if scripted else ""}
+<script>{_SCRIPT}</script>
 </body>
 </html>
 """
-    return head, tail
 
 
-def page(
-    *,
-    prompt: str,
-    generation_id: str | None = None,
-    answer: str = "",
-    state: str = "idle",
-    message: str = "",
-    scripted: bool = True,
-    model: str = "fake-model",
-) -> str:
-    head, tail = page_parts(
-        prompt=prompt,
-        generation_id=generation_id,
-        state=state,
-        message=message,
-        scripted=scripted,
-        model=model,
+def cost_line(record: UsageRecord, delivered: int | None) -> str:
+    """The usage record as the page says it, with what reached the page over its requests."""
+
+    def count(n: int | None, what: str) -> str:
+        return f"unknown {what}" if n is None else f"{n} {what}"
+
+    source = (
+        "reported by the provider" if record.usage_source == "provider" else record.usage_source
     )
-    return head + html.escape(answer) + tail
+    return (
+        f"Cost: {count(record.input_tokens, 'input')} + "
+        f"{count(record.output_tokens, 'output tokens')} ({source}), "
+        f"{count(delivered, 'delivered to this page')}; outcome {record.outcome}."
+    )
+
+
+@dataclass(frozen=True)
+class RouteTokens:
+    route: str
+    billed: int
+    delivered: int
+
+
+_ROW = 46
+
+
+def chart(rows: list[RouteTokens]) -> str:
+    """Billed against delivered output tokens, a pair of bars per route, as inline SVG."""
+    width, left, right = 560, 170, 120
+    height = len(rows) * _ROW + 30 if rows else 30
+    scale = max([row.billed for row in rows] + [row.delivered for row in rows] + [1])
+    span = width - left - right
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" '
+        'aria-label="Output tokens billed and delivered, per route" '
+        'font-family="system-ui, sans-serif" font-size="12">'
+    ]
+    if not rows:
+        parts.append('<text x="0" y="20" fill="#5b6675">No output tokens yet.</text></svg>')
+        return "".join(parts)
+    for index, row in enumerate(rows):
+        top = index * _ROW
+        ratio = f"{row.billed / row.delivered:.2f}" if row.delivered else "n/a"
+        parts.append(
+            f'<g class="route" data-route="{html.escape(row.route)}" '
+            f'data-billed="{row.billed}" data-delivered="{row.delivered}">'
+            f'<text x="0" y="{top + 15}" fill="#1d232b">{html.escape(row.route)}</text>'
+            f'<text x="0" y="{top + 31}" fill="#5b6675">billed/delivered {ratio}</text>'
+        )
+        for offset, value, colour in ((4, row.billed, "#9aa5b1"), (22, row.delivered, "#2f7d4f")):
+            bar = round(span * value / scale)
+            parts.append(
+                f'<rect x="{left}" y="{top + offset}" width="{bar}" height="14" rx="2" '
+                f'fill="{colour}"/><text x="{left + bar + 6}" y="{top + offset + 12}" '
+                f'fill="#1d232b">{value}</text>'
+            )
+        parts.append("</g>")
+    legend = height - 10
+    parts.append(
+        f'<rect x="{left}" y="{legend - 10}" width="10" height="10" fill="#9aa5b1"/>'
+        f'<text x="{left + 14}" y="{legend}" fill="#5b6675">billed</text>'
+        f'<rect x="{left + 70}" y="{legend - 10}" width="10" height="10" fill="#2f7d4f"/>'
+        f'<text x="{left + 84}" y="{legend}" fill="#5b6675">delivered</text></svg>'
+    )
+    return "".join(parts)

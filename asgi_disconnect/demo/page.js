@@ -1,25 +1,35 @@
 (() => {
   const $ = (id) => document.getElementById(id);
-  const form = $("ask"), stopButton = $("stop"), answer = $("answer"), statusLine = $("status");
+  const form = $("ask"), stopForm = $("stop-form"), answer = $("answer"), statusLine = $("status");
   const decoder = new TextDecoder();
-  let gen = null, text = "", lastId = null, done = false, failure = null, stopped = false;
-  let controller = null;
+  let gen = null, text = "", lastId = null, done = false, failure = null;
+  let costShown = null;
 
   function setState(state, message) {
     $("result").dataset.state = state;
     statusLine.dataset.state = state;
     statusLine.className = "state " + state;
     statusLine.textContent = message;
-    stopButton.hidden = state !== "streaming";
-    $("send").disabled = state === "streaming";
+    stopForm.hidden = !(state === "waiting" || state === "streaming");
+    $("send").disabled = !stopForm.hidden;
   }
 
   function remember(id) {
     gen = id;
     $("generation").textContent = id ? "Generation " + id : "";
+    stopForm.elements.g.value = id || "";
     const url = new URL(location.href);
     if (id) url.searchParams.set("g", id); else url.searchParams.delete("g");
     history.replaceState(null, "", url);
+  }
+
+  // What the page says of an `event: error` frame (as the server's page does).
+  function errorMessage(payload) {
+    try {
+      const error = JSON.parse(payload).error || {};
+      if (error.type === "cancelled" && error.message === "stopped by its owner") return "Stopped.";
+      return (error.message || "The stream failed.") + (error.type ? " (" + error.type + ")" : "");
+    } catch (e) { return payload; }
   }
 
   function handle(block) {
@@ -36,23 +46,15 @@
     }
     if (id !== null) lastId = id;
     const payload = data.join("\n");
-    if (event === "error") {
-      let message = payload;
-      try {
-        const error = JSON.parse(payload).error || {};
-        message = (error.message || "The stream failed.") + (error.type ? " (" + error.type + ")" : "");
-        if (error.type === "cancelled" && stopped) message = "Stopped.";
-      } catch (e) {}
-      failure = message;
-      return;
-    }
+    if (event === "error") { failure = errorMessage(payload); return; }
     if (payload === "[DONE]") { done = true; return; }
     try {
       const chunk = JSON.parse(payload);
       const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
-      if (delta && typeof delta.content === "string") {
+      if (delta && typeof delta.content === "string" && delta.content) {
         text += delta.content;
         answer.textContent = text;
+        if (statusLine.dataset.state !== "streaming") setState("streaming", "Streaming…");
       }
     } catch (e) {}
   }
@@ -74,39 +76,33 @@
   }
 
   function finish() {
-    if (done) setState("done", "Done.");
+    if (done && !failure) setState("done", "Done.");
     else setState("failed", failure || "The answer ended before it was complete.");
     showCost();
   }
 
+  // "metering…" until the usage record is settled, then what it cost and what reached us.
   async function showCost() {
     const id = gen;
+    if (costShown === id) return;
+    costShown = id;
     $("cost").textContent = "Cost: metering…";
     for (let i = 0; i < 120 && id === gen; i++) {
       const response = await fetch("/demo/usage/" + id);
-      if (response.ok) {
-        const r = await response.json();
-        const source = r.usage_source === "provider" ? "reported by the provider" : r.usage_source;
-        const count = (n, what) => (n === null || n === undefined ? "unknown " + what : n + " " + what);
-        $("cost").textContent = "Cost: " + count(r.input_tokens, "input") + " + " +
-          count(r.output_tokens, "output tokens") + " (" + source + "), " +
-          count(r.delivered_output_tokens, "delivered") + "; outcome " + r.outcome + ".";
-        return;
-      }
+      if (response.ok) { $("cost").textContent = (await response.json()).summary; return; }
       await new Promise((resolve) => setTimeout(resolve, 500));
     }
   }
 
-  // After the last event the resume stream numbered (its `id:`), or else from the start,
-  // rebuilding the text: the first response's events carry no ids.
+  // Reads on after the last event the resume stream numbered (its `id:`), or else from the
+  // start, rebuilding the text: the first response's events carry no ids.
   async function resume(fromStart) {
     for (let attempt = 0; attempt < 20; attempt++) {
       if (fromStart || lastId === null) { text = ""; lastId = null; answer.textContent = ""; }
       const headers = { accept: "text/event-stream" };
       if (lastId !== null) headers["last-event-id"] = lastId;
       try {
-        controller = new AbortController();
-        const response = await fetch("/generations/" + gen + "/stream", { headers, signal: controller.signal });
+        const response = await fetch("/generations/" + gen + "/stream", { headers });
         if (response.status === 204) { finish(); return; }
         if (!response.ok) {
           setState("failed", "The generation cannot be read (" + response.status + ").");
@@ -122,10 +118,10 @@
   }
 
   async function start(prompt) {
-    text = ""; lastId = null; done = false; failure = null; stopped = false;
+    text = ""; lastId = null; done = false; failure = null; costShown = null;
     answer.textContent = ""; $("cost").textContent = "";
     remember(null);
-    setState("streaming", "Streaming…");
+    setState("waiting", "Waiting for the first token…");
     const route = $("detach").checked ? "/v1/reports" : "/v1/chat/completions";
     let response;
     try {
@@ -145,6 +141,7 @@
       return;
     }
     remember(response.headers.get("x-generation-id"));
+    $("cost").textContent = "Cost: metering…";
     try {
       await consume(response.body);
     } catch (e) {}
@@ -156,21 +153,38 @@
     event.preventDefault();
     start($("prompt").value);
   });
-  stopButton.addEventListener("click", async () => {
-    if (!gen) return;
-    stopped = true;
-    await fetch("/generations/" + gen + "/cancel", { method: "POST" });
+  stopForm.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    if (gen) await fetch("/generations/" + gen + "/cancel", { method: "POST" });
   });
 
   async function panel() {
     try {
       const s = await (await fetch("/demo/stats")).json();
       for (const key of Object.keys(s)) { const cell = $("stat-" + key); if (cell) cell.textContent = s[key]; }
+      const svg = await (await fetch("/demo/chart")).text();
+      const figure = $("chart"), old = figure.querySelector("svg");
+      const holder = document.createElement("div");
+      holder.innerHTML = svg;
+      if (old && holder.firstElementChild) old.replaceWith(holder.firstElementChild);
     } catch (e) {}
     setTimeout(panel, 1000);
   }
-  panel();
 
+  // The server rendered the page as the generation stood: read on from there, live.
+  $("detach").disabled = false;
   const existing = new URL(location.href).searchParams.get("g");
-  if (existing) { remember(existing); setState("streaming", "Resuming…"); resume(true); }
+  const shown = $("result").dataset.state;
+  if (existing && (shown === "waiting" || shown === "streaming")) {
+    remember(existing);
+    text = answer.textContent;
+    const offset = Number($("result").dataset.offset);
+    lastId = offset > 0 ? String(offset) : null;
+    resume(lastId === null);
+  } else if (existing && (shown === "done" || shown === "failed") && $("generation").textContent) {
+    gen = existing;
+    if ($("cost").textContent !== "Cost: metering…") costShown = gen;
+    else showCost();
+  }
+  panel();
 })();

@@ -32,7 +32,7 @@ async def test_a_stream_renders_token_by_token_then_its_cost(demo: Demo, browser
     assert await state_of(page) == "idle"  # rendered by the server
     await page.click("#send")
     seen: list[int] = []
-    while await state_of(page) == "streaming":
+    while await state_of(page) in ("waiting", "streaming"):
         seen.append(len(await page.text_content("#answer") or ""))
         await asyncio.sleep(0.1)
     assert await state_of(page) == "done"
