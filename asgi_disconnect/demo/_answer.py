@@ -45,14 +45,16 @@ def _whole_events(data: bytes) -> int:
     return end
 
 
-def error_message(payload: str) -> str:
-    """What the page says of an ``event: error`` frame."""
+def error_message(payload: str) -> str | None:
+    """What the page says of an error frame: ``event: error``, or a provider's data
+    ``{"error": ...}``; None for a payload that is no error."""
     try:
-        error = json.loads(payload).get("error") or {}
-    except (ValueError, AttributeError):
-        return payload
+        decoded = json.loads(payload)
+    except ValueError:
+        return None
+    error = decoded.get("error") if isinstance(decoded, dict) else None
     if not isinstance(error, dict):
-        return str(error)
+        return None
     if error.get("type") == "cancelled" and error.get("message") == _STOPPED:
         return "Stopped."
     message = error.get("message") or "The stream failed."
@@ -80,10 +82,12 @@ def read_answer(info: GenerationInfo, data: bytes) -> Answer:
     done = False
     failure = None
     for event in SSEDecoder().feed(data[:offset]):
-        if event.event == "error":
-            failure = error_message(event.data)
-        elif event.data == "[DONE]":
+        if event.data == "[DONE]":
             done = True
+            continue
+        error = error_message(event.data)
+        if error is not None or event.event == "error":
+            failure = failure or error or event.data
         else:
             pieces.append(delta(event.data))
     text = "".join(pieces)

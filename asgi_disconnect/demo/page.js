@@ -23,13 +23,14 @@
     history.replaceState(null, "", url);
   }
 
-  // What the page says of an `event: error` frame (as the server's page does).
+  // What the page says of an error frame, `event: error` or a provider's `{"error": ...}`
+  // (as the server's page does); null for a payload that is no error.
   function errorMessage(payload) {
-    try {
-      const error = JSON.parse(payload).error || {};
-      if (error.type === "cancelled" && error.message === "stopped by its owner") return "Stopped.";
-      return (error.message || "The stream failed.") + (error.type ? " (" + error.type + ")" : "");
-    } catch (e) { return payload; }
+    let error;
+    try { error = JSON.parse(payload).error; } catch (e) { return null; }
+    if (!error || typeof error !== "object") return null;
+    if (error.type === "cancelled" && error.message === "stopped by its owner") return "Stopped.";
+    return (error.message || "The stream failed.") + (error.type ? " (" + error.type + ")" : "");
   }
 
   function handle(block) {
@@ -46,8 +47,9 @@
     }
     if (id !== null) lastId = id;
     const payload = data.join("\n");
-    if (event === "error") { failure = errorMessage(payload); return; }
     if (payload === "[DONE]") { done = true; return; }
+    const error = errorMessage(payload);
+    if (error !== null || event === "error") { failure = failure || error || payload; return; }
     try {
       const chunk = JSON.parse(payload);
       const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
