@@ -26,6 +26,7 @@ import hashlib
 import json
 import re
 import secrets
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,7 @@ from fastapi.responses import (
 from .. import (
     DisconnectMiddleware,
     DrainMiddleware,
+    Status,
     UsageRecord,
     connect,
     default_principal,
@@ -67,6 +69,8 @@ __all__ = ["make_app"]
 _FORWARDED = ("authorization", "x-api-key", "anthropic-version", "anthropic-beta", "content-type")
 _DEFAULT_PROMPT = "Write a short report on why streamed answers should survive a disconnect."
 SESSION_COOKIE = "asgi_demo_session"
+# How long after a generation's end its page waits for the usage record.
+_SETTLING = 60.0
 _GENERATION = re.compile(r"gen_[A-Za-z0-9_-]{1,64}")
 
 
@@ -295,6 +299,10 @@ class _Pages:
                         break
         answer = read_answer(info, bytes(data[: info.size]))
         self.delivery.reached(generation_id, answer.offset)
+        cost = self.cost(request.scope, generation_id)
+        # The record follows the generation's end closely; one that never comes is no reason
+        # to reload forever.
+        metering = cost == METERING and time.time() - (info.finished_at or 0) < _SETTLING
         shown = self.view(
             self.delivery.prompt_of(generation_id) or _DEFAULT_PROMPT,
             generation_id=generation_id,
@@ -302,7 +310,8 @@ class _Pages:
             message=answer.message,
             answer=answer.text,
             offset=answer.offset,
-            cost=self.cost(request.scope, generation_id),
+            cost=cost,
+            refresh=info.status is Status.RUNNING or metering,
         )
         return HTMLResponse(render(shown))
 

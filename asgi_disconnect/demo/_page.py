@@ -94,14 +94,11 @@ class View:
     chart: str = ""
     stats: dict[str, int] | None = None
 
+    refresh: bool = False  # without JavaScript, reload: there is more to show soon
+
     @property
     def running(self) -> bool:
         return self.generation_id is not None and self.state in ("waiting", "streaming")
-
-    @property
-    def settling(self) -> bool:
-        """Without JavaScript, whether a reload would show more."""
-        return self.running or (self.generation_id is not None and self.cost == METERING)
 
 
 def _stop_form(view: View) -> str:
@@ -127,7 +124,7 @@ def render(view: View) -> str:
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-{refresh if view.settling else ""}<title>asgi-disconnect demo</title>
+{refresh if view.refresh else ""}<title>asgi-disconnect demo</title>
 <style>{_STYLE}</style>
 </head>
 <body>

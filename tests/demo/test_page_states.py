@@ -38,6 +38,10 @@ async def wait_for_state(page: Any, state: str) -> None:
     await page.wait_for_selector(f'#status[data-state="{state}"]', timeout=WAIT)
 
 
+async def state_of(page: Any) -> str:
+    return str(await page.get_attribute("#status", "data-state"))
+
+
 async def text(page: Any, selector: str) -> str:
     return (await page.text_content(selector)) or ""
 
@@ -122,11 +126,26 @@ async def test_the_stop_form_stops_the_provider_without_javascript(
         await page.click("#send")
         await wait_for_state(page, "streaming")
         generation_id = await generation_of(page)
+        (call,) = demo.provider.requests
+
+        # Another page's Stop form for this id stops nothing, and shows it nothing.
+        other = await browser.new_context(java_script_enabled=False)
+        await (await other.new_page()).goto(demo.url)
+        theirs = await other.request.post(f"{demo.url}/stop", form={"g": generation_id})
+        assert theirs.status == 404
+        assert "No such generation for this page." in await theirs.text()
+        invalid = await other.request.post(f"{demo.url}/stop", form={"g": "../drainz"})
+        assert invalid.status == 422
+        assert invalid.headers["content-type"] == "application/problem+json"
+        assert (await invalid.json())["type"] == "urn:asgi-disconnect:problem:invalid-request"
+        await other.close()
+        assert call.closed_at is None
+        assert await state_of(page) == "streaming"
+
         await page.click("#stop")  # a plain form POST, then a redirect back to the page
         await wait_for_state(page, "failed")
         assert await text(page, "#status") == "Stopped."
         assert page.url.endswith(f"/?g={generation_id}")
-        (call,) = demo.provider.requests
         assert await call.await_closed(timeout=10)
         assert call.connection_closed_early
         assert call.tokens_generated < 400
