@@ -27,10 +27,12 @@ __all__ = ["Delivery", "DeliveryMiddleware"]
 
 
 class _Reach:
-    __slots__ = ("meter", "offset", "prompt")
+    __slots__ = ("meter", "offset", "prompt", "route")
 
-    def __init__(self, prompt: str) -> None:
-        self.prompt = prompt  # what was asked, for the page that shows it again
+    def __init__(self, prompt: str, route: str) -> None:
+        # What was asked, and of which route, for the page that shows it again.
+        self.prompt = prompt
+        self.route = route
         self.meter = StreamMeter(marks=True)  # the answer's text along the log
         self.offset = 0  # the furthest offset handed to a reader
 
@@ -42,26 +44,27 @@ class Delivery:
         self._limit = limit
         self._reach: OrderedDict[str, _Reach] = OrderedDict()
 
-    def _entry(self, generation_id: str, prompt: str = "") -> _Reach:
+    def _entry(self, generation_id: str, prompt: str = "", route: str = "") -> _Reach:
         entry = self._reach.get(generation_id)
         if entry is None:
-            entry = self._reach[generation_id] = _Reach(prompt)
+            entry = self._reach[generation_id] = _Reach(prompt, route)
             while len(self._reach) > self._limit:
                 self._reach.popitem(last=False)
         return entry
 
     async def produced(
-        self, generation_id: str, prompt: str, stream: AsyncIterable[bytes]
+        self, generation_id: str, stream: AsyncIterable[bytes], *, prompt: str, route: str
     ) -> AsyncIterator[bytes]:
         """``stream``, unchanged, its bytes read on the way as the generation's log."""
-        meter = self._entry(generation_id, prompt).meter
+        meter = self._entry(generation_id, prompt, route).meter
         async for chunk in stream:
             meter.feed(chunk)
             yield chunk
 
-    def prompt_of(self, generation_id: str) -> str | None:
+    def asked(self, generation_id: str) -> tuple[str, str] | None:
+        """The prompt and the route of the generation, if it is one of the newest."""
         entry = self._reach.get(generation_id)
-        return entry.prompt if entry is not None and entry.prompt else None
+        return (entry.prompt, entry.route) if entry is not None else None
 
     def reached(self, generation_id: str, offset: int) -> None:
         """A request handed the generation's log up to ``offset`` to its reader."""

@@ -177,7 +177,9 @@ def make_app(
             return _problem(502, "upstream-unreachable", f"The upstream failed: {exc}")
         generation_id = request.scope["asgi_disconnect"].generation_id
         return StreamingResponse(
-            delivery.produced(generation_id, _prompt_of(payload), stream),
+            delivery.produced(
+                generation_id, stream, prompt=_prompt_of(payload), route=request.url.path
+            ),
             media_type="text/event-stream",
         )
 
@@ -303,8 +305,9 @@ class _Pages:
         # The record follows the generation's end closely; one that never comes is no reason
         # to reload forever.
         metering = cost == METERING and time.time() - (info.finished_at or 0) < _SETTLING
+        prompt, route = self.delivery.asked(generation_id) or (_DEFAULT_PROMPT, "")
         shown = self.view(
-            self.delivery.prompt_of(generation_id) or _DEFAULT_PROMPT,
+            prompt or _DEFAULT_PROMPT,
             generation_id=generation_id,
             state=answer.state,
             message=answer.message,
@@ -312,6 +315,7 @@ class _Pages:
             offset=answer.offset,
             cost=cost,
             refresh=info.status is Status.RUNNING or metering,
+            detach=route != "/v1/chat/completions",
         )
         return HTMLResponse(render(shown))
 

@@ -95,6 +95,7 @@ class View:
     stats: dict[str, int] | None = None
 
     refresh: bool = False  # without JavaScript, reload: there is more to show soon
+    detach: bool = True  # the policy asked for (the page's form asks detach without JavaScript)
 
     @property
     def running(self) -> bool:
@@ -139,7 +140,7 @@ Stop stops it either way.</p>
 <label for="prompt">Prompt</label>
 <textarea id="prompt" name="prompt">{html.escape(view.prompt)}</textarea>
 <p class="actions"><button type="submit" id="send">Send</button>
-<label><input type="checkbox" id="detach" checked disabled>
+<label><input type="checkbox" id="detach"{" checked" if view.detach else ""} disabled>
 keep generating if I leave (detach; unchecked: cancel)</label></p>
 </form>
 <section id="result" data-state="{view.state}" data-offset="{view.offset}">

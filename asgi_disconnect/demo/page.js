@@ -77,7 +77,19 @@
     }
   }
 
-  function finish() {
+  // How a generation ended that its stream did not say (as the server's page says it).
+  const ENDED = {
+    cancelled: "Cancelled: its client left and the policy cancelled it.",
+    interrupted: "Interrupted: the server stopped before the answer was complete.",
+  };
+
+  async function finish() {
+    if (!done && !failure && gen) {
+      try {
+        const info = await (await fetch("/generations/" + gen)).json();
+        failure = info.error === "stopped by its owner" ? "Stopped." : ENDED[info.status] || null;
+      } catch (e) {}
+    }
     if (done && !failure) setState("done", "Done.");
     else setState("failed", failure || "The answer ended before it was complete.");
     showCost();

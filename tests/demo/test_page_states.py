@@ -328,3 +328,26 @@ async def test_a_usage_record_is_read_by_its_caller_only(tmp_path: Path, browser
         assert await text(elsewhere, "#answer") == ""
         await other.close()
         await context.close()
+
+
+async def test_a_reload_under_cancel_shows_the_answer_cancelled(
+    tmp_path: Path, browser: Any
+) -> None:
+    with demo_server(tmp_path, tokens=400, tokens_per_second=30) as demo:
+        context = await browser.new_context()
+        page = await context.new_page()
+        await page.goto(demo.url)
+        await page.uncheck("#detach")  # policy cancel: leaving stops the provider
+        await page.click("#send")
+        await page.wait_for_function("document.getElementById('answer').textContent.length > 20")
+        await page.reload()
+        await wait_for_state(page, "failed")
+        assert not await page.is_checked("#detach")  # the page says which policy it asked
+        assert "cancelled" in (await text(page, "#status")).lower()
+        assert (await text(page, "#answer")).startswith("tok0 tok1 ")
+        (call,) = demo.provider.requests
+        assert await call.await_closed(timeout=10)
+        assert call.connection_closed_early
+        assert "outcome cancelled" in await wait_for_cost(page)
+        await shot(page, tmp_path, "cancelled")
+        await context.close()
