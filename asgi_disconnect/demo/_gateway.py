@@ -292,14 +292,7 @@ class _Pages:
         if info is None or not caller or owner != caller:
             message = "No such generation for this page."
             return HTMLResponse(render(self.view(state="failed", message=message)), 404)
-        data = bytearray()
-        if info.size:
-            async with contextlib.aclosing(self.backend.follow(generation_id, 0)) as chunks:
-                async for chunk in chunks:
-                    data += chunk
-                    if len(data) >= info.size:
-                        break
-        answer = read_answer(info, bytes(data[: info.size]))
+        answer = read_answer(info, await self.logged(generation_id, info.size))
         self.delivery.reached(generation_id, answer.offset)
         cost = self.cost(request.scope, generation_id)
         # The record follows the generation's end closely; one that never comes is no reason
@@ -318,6 +311,17 @@ class _Pages:
             detach=route != "/v1/chat/completions",
         )
         return HTMLResponse(render(shown))
+
+    async def logged(self, generation_id: str, size: int) -> bytes:
+        """The first ``size`` bytes of the generation's log."""
+        data = bytearray()
+        if size:
+            async with contextlib.aclosing(self.backend.follow(generation_id, 0)) as chunks:
+                async for chunk in chunks:
+                    data += chunk
+                    if len(data) >= size:
+                        break
+        return bytes(data[:size])
 
     async def ask(self, request: Request, prompt: str = Form(...)) -> Response:
         """Start the answer as the page's script would (``/v1/reports``, detach), then show

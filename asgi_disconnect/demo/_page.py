@@ -114,6 +114,10 @@ def _stop_form(view: View) -> str:
 
 def render(view: View) -> str:
     label = view.message or _LABELS.get(view.state, "")
+    status = (
+        f'<p id="status" class="state {view.state}" data-state="{view.state}" '
+        f'aria-live="polite">{html.escape(label)}</p>'
+    )
     refresh = '<noscript><meta http-equiv="refresh" content="1"></noscript>\n'
     generation = f"Generation {view.generation_id}" if view.generation_id else ""
     stats = view.stats or {}
@@ -145,7 +149,7 @@ keep generating if I leave (detach; unchecked: cancel)</label></p>
 </form>
 <section id="result" data-state="{view.state}" data-offset="{view.offset}">
 <div class="bar">
-<p id="status" class="state {view.state}" data-state="{view.state}">{html.escape(label)}</p>
+{status}
 <span id="generation">{html.escape(generation)}</span>
 {_stop_form(view)}
 </div>
