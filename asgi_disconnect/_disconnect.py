@@ -68,6 +68,9 @@ _COROUTINE = types.CoroutineType
 _ROUTE_MEMO_SIZE = 4096
 # How long a request cancelled by the server waits for its app to run its finally blocks.
 _TEARDOWN_TIMEOUT = 5.0
+# On a durable backend, how much of what its client has not received a generation keeps in
+# memory once the store has it; the client writer reads older bytes back from the store.
+READ_BACK_PAST = 16 << 10
 # When to look again for the server's listening sockets after startup: uvicorn binds after
 # the lifespan startup, granian replaces a placeholder, within a few milliseconds.
 _LISTENER_SCANS = (0.01, 0.05, 0.25, 1.0, 3.0)
@@ -204,7 +207,11 @@ class DisconnectMiddleware:
         self.max_lag_bytes = max_lag_bytes
         # A durable store gives back what memory released: a lagging client's backlog is
         # read there, so the producer never waits on its client (Generation.reads_back).
-        self.reads_back = max_lag_bytes if self.backend.flush_interval is not None else 0
+        # Memory keeps a client's last READ_BACK_PAST bytes only: a client a few events
+        # behind reads them from memory, and a stalled one costs about a flush window.
+        self.reads_back = (
+            min(max_lag_bytes, READ_BACK_PAST) if self.backend.flush_interval is not None else 0
+        )
         self.max_lag_seconds = max_lag_seconds
         self.shutdown_timeout = shutdown_timeout
         self.keep_alive = keep_alive

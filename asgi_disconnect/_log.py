@@ -77,7 +77,7 @@ class Generation:
     # Where the exchange's own frames (an error frame, say) began: the app's output ends there.
     frames_at: int | None = None
     # With a store that gives back what memory released (a durable backend): how much of
-    # its client's backlog memory keeps (``max_lag_bytes``); older stored bytes are let go
+    # its client's backlog memory keeps (16 KiB); older stored bytes are let go
     # and the client writer reads them back there. 0: what the client has not received stays.
     reads_back = 0
     # Set by a durable store, which bounds the output waiting for it across the process
