@@ -121,10 +121,15 @@ class Link:
         _ip("-n", self.client_ns, "link", "set", self.client_if, "up")
 
     def slow(self, rate: str) -> None:
-        """Shape what the server sends to ``rate`` (``"40kbit"``), queueing up to 1 s of it."""
+        """Shape what the server sends to ``rate`` (``"40kbit"``), queueing up to 10 s of it.
+
+        A mobile link buffers seconds. With a queue of 1 s, most packets of a 36 KB answer were
+        dropped, and TCP's retransmission backoff left the link unacknowledged for more than a
+        3 s ``client_timeout`` in about one run of 30, which then cut a live client.
+        """
         subprocess.run(
             ["tc", "-n", self.server_ns, "qdisc", "add", "dev", self.server_if, "root",
-             "tbf", "rate", rate, "burst", "3000", "latency", "1s"],
+             "tbf", "rate", rate, "burst", "3000", "latency", "10s"],
             check=True, capture_output=True, timeout=10,
         )  # fmt: skip
 

@@ -7,6 +7,7 @@ dirtied, and what each commit costs follows them.
 from __future__ import annotations
 
 import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -72,10 +73,10 @@ async def frames_per_flush(path: Path) -> list[int]:
 async def test_a_flush_of_many_generations_writes_a_few_pages(tmp_path: Path) -> None:
     new = await frames_per_flush(tmp_path / "new.db")
     old_path = tmp_path / "old.db"
-    with sqlite3.connect(old_path) as db:  # a file made before: it still works (read back)
+    with closing(sqlite3.connect(old_path)) as db, db:  # a file made before: it still works
         db.execute(OLD_CHUNKS)
     old = await frames_per_flush(old_path)
-    with sqlite3.connect(old_path) as db:
+    with closing(sqlite3.connect(old_path)) as db:
         indexes = [row[1] for row in db.execute("pragma index_list(asgi_disconnect_chunks)")]
     # Its primary key indexes it already: no second index to keep up.
     assert "asgi_disconnect_chunks_position" not in indexes
@@ -92,7 +93,7 @@ async def test_a_new_file_indexes_chunks_by_position_once(tmp_path: Path) -> Non
         backend = connect(f"sqlite:///{path}")
         async with backend:
             pass
-    with sqlite3.connect(path) as db:
+    with closing(sqlite3.connect(path)) as db, db:
         indexes = db.execute("pragma index_list(asgi_disconnect_chunks)").fetchall()
         duplicate = db.execute(
             "insert into asgi_disconnect_chunks values ('g', 0, x'00', x'00'), "
