@@ -1,12 +1,12 @@
 """``asgi-disconnect``: the demo gateway, and generations for operators.
 
     asgi-disconnect demo [--port 8000] [--upstream URL] [--backend URL]
-    asgi-disconnect generations list [--status S] [--limit N] [--backend URL]
-    asgi-disconnect generations show ID [--backend URL]
-    asgi-disconnect generations tail ID [--offset N] [--backend URL]
+    asgi-disconnect generations list [--status S] [--limit N] [--backend URL] [--create]
+    asgi-disconnect generations show ID [--backend URL] [--create]
+    asgi-disconnect generations tail ID [--offset N] [--backend URL] [--create]
 
 ``--backend`` defaults to ``$ASGI_DISCONNECT_BACKEND``, else the demo's SQLite file (one
-that does not exist is refused, not created). Bad input exits 2 with one line that says what
+that does not exist is refused, not created, unless ``--create`` asks for it). Bad input exits 2 with one line that says what
 to do; a generation that is not there exits 1.
 """
 
@@ -86,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
         "generations",
         help="list, show and tail generations",
         description="Read the generations a backend stored. A SQLite file that does not "
-        "exist is refused, not created.",
+        "exist is refused, not created, unless --create asks for it.",
     )
     actions = generations.add_subparsers(
         dest="action", required=True, metavar="ACTION", help="list, show or tail"
@@ -109,6 +109,11 @@ def parser() -> argparse.ArgumentParser:
             default=None,
             help=f"backend URL (default $ASGI_DISCONNECT_BACKEND, else {DEFAULT_BACKEND})",
         )
+        sub.add_argument(
+            "--create",
+            action="store_true",
+            help="make the SQLite file (an empty store) if it is not there, instead of refusing",
+        )
     return main_parser
 
 
@@ -117,7 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         return _demo(args)
     backend_url = args.backend or os.environ.get("ASGI_DISCONNECT_BACKEND") or DEFAULT_BACKEND
-    problem = _missing_driver(backend_url) or _missing_database(backend_url)
+    problem = _missing_driver(backend_url) or (
+        None if args.create else _missing_database(backend_url)
+    )
     if problem:
         print(f"asgi-disconnect: {problem}", file=sys.stderr)
         return 2

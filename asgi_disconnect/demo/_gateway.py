@@ -24,11 +24,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import re
 import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -52,6 +54,7 @@ from .. import (
     disconnect_policy,
     install,
 )
+from .._problem import problem_body
 from ..upstream import UpstreamStatusError, UpstreamStreamError, open_stream
 from ._answer import read_answer
 from ._delivery import Delivery, DeliveryMiddleware
@@ -64,6 +67,8 @@ if TYPE_CHECKING:
     from .. import GenerationReader
 
 __all__ = ["make_app"]
+
+logger = logging.getLogger("asgi_disconnect.demo")
 
 # Headers a provider needs that the client sends (auth, API version, content type).
 _FORWARDED = ("authorization", "x-api-key", "anthropic-version", "anthropic-beta", "content-type")
@@ -132,7 +137,7 @@ def make_app(
     app = FastAPI(title="asgi-disconnect demo gateway", lifespan=lifespan)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
         fields = ", ".join(".".join(str(p) for p in error["loc"]) for error in exc.errors())
         return _problem(422, "invalid-request", f"Missing or invalid: {fields}.")
 
@@ -159,7 +164,7 @@ def make_app(
             try:
                 answer = await client.send(outgoing)
             except httpx.HTTPError as exc:
-                return _problem(502, "upstream-unreachable", f"The upstream failed: {exc}")
+                return _upstream_failed(request, exc)
             return Response(
                 answer.content,
                 status_code=answer.status_code,
@@ -174,7 +179,7 @@ def make_app(
             headers = {"retry-after": exc.retry_after} if exc.retry_after else None
             return JSONResponse(error, status_code=exc.status_code, headers=headers)
         except (UpstreamStreamError, httpx.HTTPError) as exc:
-            return _problem(502, "upstream-unreachable", f"The upstream failed: {exc}")
+            return _upstream_failed(request, exc)
         generation_id = request.scope["asgi_disconnect"].generation_id
         return StreamingResponse(
             delivery.produced(
@@ -418,9 +423,23 @@ def _prompt_of(payload: dict[str, Any]) -> str:
     return ""
 
 
-def _problem(status: int, slug: str, detail: str) -> JSONResponse:
-    return JSONResponse(
-        {"type": f"urn:asgi-disconnect:problem:{slug}", "status": status, "detail": detail},
+def _problem(status: int, slug: str, detail: str) -> Response:
+    return Response(
+        problem_body(status, slug, HTTPStatus(status).phrase, detail),
         status_code=status,
         media_type="application/problem+json",
     )
+
+
+def _upstream_failed(request: Request, exc: Exception) -> Response:
+    """A provider that could not be reached or broke off before the stream: a 502 problem,
+    and one log line (the request log's line for the generation follows it)."""
+    logger.warning(
+        "generation %s (%s %s): the upstream failed: %s: %s",
+        request.scope["asgi_disconnect"].generation_id,
+        request.method,
+        request.url.path,
+        type(exc).__name__,
+        exc,
+    )
+    return _problem(502, "upstream-unreachable", f"The upstream failed: {exc}")

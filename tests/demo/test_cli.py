@@ -228,6 +228,14 @@ def test_a_sqlite_file_that_is_not_there_is_refused_not_created(tmp_path: Path) 
     assert named.returncode == 2
     assert f"no SQLite database at {elsewhere}: " in named.stderr
     assert list(tmp_path.iterdir()) == []
+    # Asked for, the file is made: an empty store, which lists nothing.
+    made = cli(
+        "generations", "list", "--create", "--backend", f"sqlite:///{elsewhere}", cwd=tmp_path
+    )
+    assert (made.returncode, made.stderr) == (0, ""), made.stderr
+    assert elsewhere.exists()
+    again = cli("generations", "list", "--backend", f"sqlite:///{elsewhere}", cwd=tmp_path)
+    assert (again.returncode, again.stdout) == (made.returncode, made.stdout)
 
 
 def test_a_port_in_use_is_named_with_how_to_pick_another(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -32,3 +33,31 @@ def test_the_demo_logs_one_line_per_llm_request(tmp_path: Path) -> None:
     assert " end=complete " in line
     assert " usage=provider " in line or " usage=estimated " in line
     assert "Traceback" not in log.read_text()
+
+
+def test_an_unreachable_upstream_is_a_problem_and_one_warning_line(tmp_path: Path) -> None:
+    log = tmp_path / "demo.log"
+    backend = f"sqlite:///{tmp_path / 'demo.db'}"
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        upstream = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    with running_demo("--backend", backend, "--upstream", upstream, log=log) as url:
+        streamed = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+        whole = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": False})
+        generation_id = streamed.headers["x-generation-id"]
+        deadline = time.monotonic() + 10
+        while log.read_text().count("the upstream failed") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for answer in (streamed, whole):
+        assert answer.status_code == 502
+        assert answer.headers["content-type"] == "application/problem+json"
+        problem = answer.json()
+        assert problem["type"] == "urn:asgi-disconnect:problem:upstream-unreachable"
+        assert problem["title"] == "Bad Gateway"
+        assert problem["detail"].startswith("The upstream failed: ")
+    text = log.read_text()
+    failures = [line for line in text.splitlines() if "the upstream failed" in line]
+    assert len(failures) == 2, text
+    assert failures[0].startswith("WARNING:")
+    assert f"generation {generation_id} (POST /v1/chat/completions)" in failures[0]
+    assert "Traceback" not in text

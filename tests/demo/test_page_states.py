@@ -308,6 +308,7 @@ async def test_a_usage_record_is_read_by_its_caller_only(tmp_path: Path, browser
             )
         expected = {
             "type": "urn:asgi-disconnect:problem:usage-not-settled",
+            "title": "Not Found",
             "status": 404,
             "detail": "No usage record yet: metering…",
         }
