@@ -6,8 +6,8 @@
     asgi-disconnect generations tail ID [--offset N] [--backend URL] [--create]
 
 ``--backend`` defaults to ``$ASGI_DISCONNECT_BACKEND``, else the demo's SQLite file (one
-that does not exist is refused, not created, unless ``--create`` asks for it). Bad input exits 2 with one line that says what
-to do; a generation that is not there exits 1.
+that does not exist is refused, not created, unless ``--create`` asks for it). Bad input
+exits 2 with one line that says what to do; a generation that is not there exits 1.
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ class Stats:
         self.relays_started = 0
         self.relays_in_flight = 0
         self.records = 0
+        self.duplicates = 0  # records for a generation that had one already
+        self.seen: set[str] = set()
         self.outcomes: Counter[str] = Counter()
         self.record_output_tokens = 0
         self.record_delivered_tokens = 0
@@ -46,6 +48,7 @@ class Stats:
             "relays_started": self.relays_started,
             "relays_in_flight": self.relays_in_flight,
             "records": self.records,
+            "duplicates": self.duplicates,
             "outcomes": dict(self.outcomes),
             "record_output_tokens": self.record_output_tokens,
             "record_delivered_tokens": self.record_delivered_tokens,
@@ -112,6 +115,10 @@ def wrapped_app() -> Starlette:
         if record.method != "POST":
             return
         stats.records += 1
+        if record.generation_id is not None:
+            if record.generation_id in stats.seen:
+                stats.duplicates += 1
+            stats.seen.add(record.generation_id)
         stats.outcomes[record.outcome] += 1
         stats.record_output_tokens += record.output_tokens or 0
         stats.record_delivered_tokens += record.delivered_output_tokens or 0
