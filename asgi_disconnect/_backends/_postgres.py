@@ -26,7 +26,6 @@ SCHEMA_VERSION = 1
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 _QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*")
 _NOTIFY_PAYLOAD = 7000
-_NOTIFY_ALL = "select pg_notify($1, payload) from unnest($2::text[]) as payload"
 
 
 async def _close_pool(pool: Any) -> None:
@@ -298,66 +297,12 @@ class PostgresStore:
     async def flush(self, batch: FlushBatch) -> None:
         payloads = _notifications(sorted(batch.touched()))
         if not (batch.created or batch.changed or batch.usage or batch.finished):
-            # The steady state, new chunks only: one statement (one round trip, atomic).
+            # The steady state, new chunks only: a plain statement (one round trip, atomic).
             args = _chunk_arrays(batch.chunks)
             await self.pool.execute(self._sql["append"], *args, self.channel, payloads)
             return
-        async with self.pool.acquire(timeout=10) as conn, conn.transaction():
-            if batch.created:
-                await self._created(conn, batch)
-            if batch.chunks:
-                args = _chunk_arrays(batch.chunks)
-                await conn.execute(self._sql["chunks"], *args[:4])
-                await conn.execute(self._sql["sizes"], *args[4:])
-            if batch.changed:
-                await self._changed(conn, batch)
-            if batch.usage:
-                await conn.executemany(
-                    self._sql["usage"],
-                    [(*row[:7], row[7].decode(), row[8]) for row in batch.usage],
-                )
-            if batch.finished:
-                await self._finished(conn, batch)
-            if payloads:  # one statement for all
-                await conn.execute(_NOTIFY_ALL, self.channel, payloads)
-
-    async def _created(self, conn: asyncpg.Connection, batch: FlushBatch) -> None:
-        rows = batch.created
-        await conn.execute(
-            self._sql["create"],
-            [r[0] for r in rows],
-            [r[1] for r in rows],
-            [r[4] for r in rows],
-            [r[5] for r in rows],
-            [r[2] for r in rows],
-            [r[3] for r in rows],
-            batch.owner,
-            batch.lease,
-            [r[6] for r in rows],
-        )
-
-    async def _changed(self, conn: asyncpg.Connection, batch: FlushBatch) -> None:
-        rows = batch.changed
-        await conn.execute(
-            self._sql["changed"],
-            [r[0] for r in rows],
-            [r[1] for r in rows],
-            [r[2] for r in rows],
-            batch.owner,
-        )
-
-    async def _finished(self, conn: asyncpg.Connection, batch: FlushBatch) -> None:
-        rows = batch.finished
-        await conn.execute(
-            self._sql["finished"],
-            [r[0] for r in rows],
-            [r[1] for r in rows],
-            [r[2] for r in rows],
-            [r[3] for r in rows],
-            batch.owner,
-            batch.ttl,
-            [r[4] for r in rows],
-        )
+        # Anything else, in order, in one round trip (asgi_disconnect_flush, in the schema).
+        await self.pool.execute(self._sql["flush"], *_flush_arrays(batch), self.channel, payloads)
 
     async def heartbeat(self, owner: str, lease: float) -> None:
         await self.pool.execute(self._sql["heartbeat"], owner, lease)
@@ -589,30 +534,78 @@ create table if not exists {t}pins (
     primary key (principal, session_id)
 );
 create index if not exists asgi_disconnect_pins_expiry on {t}pins (expires_at);
+-- A whole flush in one statement, so one round trip: under load the event loop that
+-- resumes a flush after each round trip is the bottleneck, not the database. The
+-- statements run in order, each seeing the ones before, all in the caller's transaction.
+create or replace function {t}flush(
+    c_id text[], c_principal text[], c_policy text[], c_detached boolean[],
+    c_status_code int[], c_content_type text[], c_created_at float8[],
+    w_owner text, w_lease float8,
+    k_id text[], k_start bigint[], k_data bytea[], k_sizes bytea[],
+    s_id text[], s_size bigint[],
+    h_id text[], h_policy text[], h_detached boolean[],
+    u_generation_id text[], u_principal text[], u_route text[], u_outcome text[],
+    u_input_tokens int[], u_output_tokens int[], u_source text[], u_record text[],
+    u_request_id text[],
+    f_id text[], f_status text[], f_size bigint[], f_error text[], f_finished_at float8[],
+    w_ttl float8, n_channel text, n_payloads text[]
+) returns void language plpgsql as $flush$
+begin
+    if cardinality(c_id) > 0 then
+        insert into {t}generations
+            (id, principal, status, policy, detached, status_code, content_type, owner,
+             lease_until, created_at)
+        select r.id, r.principal, 'running', r.policy, r.detached, r.status_code,
+               r.content_type, w_owner, now() + make_interval(secs => w_lease),
+               to_timestamp(r.created_at)
+        from unnest(c_id, c_principal, c_policy, c_detached, c_status_code, c_content_type,
+                    c_created_at)
+            as r(id, principal, policy, detached, status_code, content_type, created_at)
+        on conflict (id) do nothing;
+    end if;
+    if cardinality(k_id) > 0 then
+        insert into {t}chunks (generation_id, start, data, sizes)
+        select * from unnest(k_id, k_start, k_data, k_sizes)
+        on conflict do nothing;
+        update {t}generations g set size = r.size
+        from unnest(s_id, s_size) as r(id, size)
+        where g.id = r.id and g.size < r.size;
+    end if;
+    if cardinality(h_id) > 0 then
+        update {t}generations g set policy = r.policy, detached = r.detached
+        from unnest(h_id, h_policy, h_detached) as r(id, policy, detached)
+        where g.id = r.id and g.owner = w_owner;
+    end if;
+    if cardinality(u_request_id) > 0 then
+        insert into {t}usage (generation_id, principal, route, outcome, input_tokens,
+                              output_tokens, usage_source, record, request_id)
+        select r.generation_id, r.principal, r.route, r.outcome, r.input_tokens,
+               r.output_tokens, r.source, r.record::jsonb, r.request_id
+        from unnest(u_generation_id, u_principal, u_route, u_outcome, u_input_tokens,
+                    u_output_tokens, u_source, u_record, u_request_id)
+            as r(generation_id, principal, route, outcome, input_tokens, output_tokens,
+                 source, record, request_id)
+        on conflict (request_id) do nothing;
+    end if;
+    if cardinality(f_id) > 0 then
+        update {t}generations g
+        set status = r.status, size = r.size, error = r.error,
+            finished_at = to_timestamp(r.finished_at),
+            expires_at = now() + make_interval(secs => w_ttl), lease_until = null
+        from unnest(f_id, f_status, f_size, f_error, f_finished_at)
+            as r(id, status, size, error, finished_at)
+        where g.id = r.id and g.owner = w_owner and g.status = 'running';
+    end if;
+    perform pg_notify(n_channel, payload) from unnest(n_payloads) as payload;
+end
+$flush$;
 """
 
 
 def _statements(t: str) -> dict[str, str]:
-    lease = "now() + make_interval(secs => $8)"
+    flush_args = ", ".join(f"${n}" for n in range(1, 36))
     return {
-        "create": f"""
-            insert into {t}generations
-                (id, principal, status, policy, detached, status_code, content_type, owner,
-                 lease_until, created_at)
-            select id, principal, 'running', policy, detached, status_code, content_type, $7,
-                   {lease}, to_timestamp(created_at)
-            from unnest($1::text[], $2::text[], $3::text[], $4::boolean[], $5::int[], $6::text[],
-                        $9::float8[])
-                as r(id, principal, policy, detached, status_code, content_type, created_at)
-            on conflict (id) do nothing""",
-        "chunks": f"""
-            insert into {t}chunks (generation_id, start, data, sizes)
-            select * from unnest($1::text[], $2::bigint[], $3::bytea[], $4::bytea[])
-            on conflict do nothing""",
-        "sizes": f"""
-            update {t}generations g set size = r.size
-            from unnest($1::text[], $2::bigint[]) as r(id, size)
-            where g.id = r.id and g.size < r.size""",
+        "flush": f"select {t}flush({flush_args})",
         # "chunks", "sizes" and the notifications at once: each part runs exactly once.
         "append": f"""
             with written as (
@@ -625,18 +618,6 @@ def _statements(t: str) -> dict[str, str]:
                 where g.id = r.id and g.size < r.size
             )
             select pg_notify($7, payload) from unnest($8::text[]) as payload""",
-        "changed": f"""
-            update {t}generations g set policy = r.policy, detached = r.detached
-            from unnest($1::text[], $2::text[], $3::boolean[]) as r(id, policy, detached)
-            where g.id = r.id and g.owner = $4""",
-        "finished": f"""
-            update {t}generations g
-            set status = r.status, size = r.size, error = r.error,
-                finished_at = to_timestamp(r.finished_at),
-                expires_at = now() + make_interval(secs => $6), lease_until = null
-            from unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $7::float8[])
-                as r(id, status, size, error, finished_at)
-            where g.id = r.id and g.owner = $5 and g.status = 'running'""",
         "heartbeat": f"""
             update {t}generations set lease_until = now() + make_interval(secs => $2)
             where owner = $1 and status = 'running'""",
@@ -647,11 +628,6 @@ def _statements(t: str) -> dict[str, str]:
                 error = 'its owner stopped renewing its lease'
             where status = 'running' and lease_until < now()
             returning id""",
-        "usage": f"""
-            insert into {t}usage (generation_id, principal, route, outcome, input_tokens,
-                                  output_tokens, usage_source, record, request_id)
-            values ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9)
-            on conflict (request_id) do nothing""",
         "claim": f"""
             insert into {t}claims
                 (principal, key, fingerprint, owner, process, status, lease_until, expires_at)
@@ -708,6 +684,35 @@ def _chunk_arrays(rows: list[tuple[str, int, bytes, bytes]]) -> tuple[list[Any],
         [r[3] for r in rows],
         list(ends),
         list(ends.values()),
+    )
+
+
+def _flush_arrays(batch: FlushBatch) -> tuple[Any, ...]:
+    """A batch as the arguments of asgi_disconnect_flush, but for the notifications."""
+    created, changed, usage, finished = batch.created, batch.changed, batch.usage, batch.finished
+    return (
+        [r[0] for r in created],
+        [r[1] for r in created],
+        [r[4] for r in created],
+        [r[5] for r in created],
+        [r[2] for r in created],
+        [r[3] for r in created],
+        [r[6] for r in created],
+        batch.owner,
+        batch.lease,
+        *_chunk_arrays(batch.chunks),
+        [r[0] for r in changed],
+        [r[1] for r in changed],
+        [r[2] for r in changed],
+        *([row[i] for row in usage] for i in range(7)),
+        [row[7].decode() for row in usage],
+        [row[8] for row in usage],
+        [r[0] for r in finished],
+        [r[1] for r in finished],
+        [r[2] for r in finished],
+        [r[3] for r in finished],
+        [r[4] for r in finished],
+        batch.ttl,
     )
 
 

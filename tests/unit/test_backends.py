@@ -467,6 +467,84 @@ async def test_resume_far_past_the_durable_size_is_416_at_once(sqlite_url: str) 
         await reader.aclose()
 
 
+async def test_a_postgres_flush_of_any_shape_is_one_round_trip(
+    postgres_url: str, postgres_dsn: str
+) -> None:
+    """A new generation, its chunks, a change of policy, its usage record and its end: one
+    statement. Under load a flush waits on the event loop once per round trip, and output
+    waits in memory for it (docs/performance.md)."""
+    calls: list[str] = []
+
+    class Counted(asyncpg.Connection):  # type: ignore[misc]
+        async def execute(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if "asgi_disconnect" in str(args[0]):  # not asyncpg's reset of a pool of yours
+                calls.append(str(args[0]))
+            return await super().execute(*args, **kwargs)
+
+        async def executemany(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if "asgi_disconnect" in str(args[0]):  # not asyncpg's reset of a pool of yours
+                calls.append(str(args[0]))
+            return await super().executemany(*args, **kwargs)
+
+        async def fetch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if "asgi_disconnect" in str(args[0]):  # not asyncpg's reset of a pool of yours
+                calls.append(str(args[0]))
+            return await super().fetch(*args, **kwargs)
+
+    pool = await asyncpg.create_pool(postgres_dsn, min_size=1, max_size=3, connection_class=Counted)
+    schema = postgres_url.rsplit("schema=", 1)[1]
+    backend = connect("postgresql://", pool=pool, schema=schema, flush_interval=3, lease=30)
+    try:
+        await backend.open()
+        assert isinstance(backend, DurableBackend)
+        await asyncio.sleep(0.3)  # the worker's first round (heartbeat, sweep) is over
+        generation = Generation(GID, principal=TESTER)
+        generation.policy = "cancel"
+        backend.register(generation)
+        generation.append(b"data: first\n\n")
+        calls.clear()
+        assert not await backend.flush()  # created, with its first chunk
+        (statement,) = calls
+        assert ".asgi_disconnect_flush(" in statement
+        for i in range(50):
+            generation.append(b"data: %d\n\n" % i)
+        generation.policy, generation.detached = "detach", True  # its client left
+        generation.finish(Status.COMPLETE)
+        backend.record_usage(usage_record(GID))
+        calls.clear()
+        assert not await backend.flush()  # chunks, the change, the record and the end
+        assert calls == [statement]
+        stored = await pool.fetchrow(
+            f'select status, policy, detached, size from "{schema}".asgi_disconnect_generations '
+            "where id = $1",
+            GID,
+        )
+        assert dict(stored) == {
+            "status": "complete",
+            "policy": "detach",
+            "detached": True,
+            "size": generation.size,
+        }
+        expected = b"data: first\n\n" + b"".join(b"data: %d\n\n" % i for i in range(50))
+        assert await read_all(backend, GID) == expected
+        records = await pool.fetchval(
+            f'select count(*) from "{schema}".asgi_disconnect_usage where request_id = $1', GID
+        )
+        assert records == 1
+        # The same batch again (a commit whose outcome was unknown): nothing twice.
+        backend.record_usage(usage_record(GID))
+        await backend.flush()
+        assert (
+            await pool.fetchval(
+                f'select count(*) from "{schema}".asgi_disconnect_usage where request_id = $1', GID
+            )
+            == 1
+        )
+    finally:
+        await backend.aclose()
+        await pool.close()
+
+
 def usage_record(generation_id: str | None) -> UsageRecord:
     return UsageRecord(
         generation_id=generation_id,
