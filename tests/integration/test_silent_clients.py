@@ -10,8 +10,11 @@ passes a server flag: the package finds the listening sockets itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -212,11 +215,27 @@ async def test_a_link_that_drops_for_3_s_and_comes_back_keeps_its_stream(
     assert record.delivered_output_tokens == record.output_tokens
 
 
+@contextlib.contextmanager
+def errors_of_the_cut_connection_at_hypercorn_s_shutdown() -> Iterator[None]:
+    """hypercorn's ``TCPServer._close`` awaits ``wait_closed()``, which raises the error the
+    connection was lost with, and its ``serve`` raises it at shutdown: for the connection the
+    test cut, ``EHOSTUNREACH`` (the kernel's neighbour probe failed while it retried) or
+    ``ETIMEDOUT``. Seen once, in a CI run; anything else still fails the test."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.EHOSTUNREACH, errno.ETIMEDOUT):
+            raise
+
+
 async def test_over_http2_a_vanished_client_is_cancelled_too(tmp_path: Path) -> None:
     """hypercorn, h2c: the connection's TCP_USER_TIMEOUT ends it and every stream on it;
     delivery is what was handed to the server (streams share the connection's bytes)."""
     timeout = 4.0
-    with served("hypercorn-h2", tmp_path, client_timeout=timeout) as setup:
+    with (
+        errors_of_the_cut_connection_at_hypercorn_s_shutdown(),
+        served("hypercorn-h2", tmp_path, client_timeout=timeout) as setup,
+    ):
         provider, records = setup.provider, setup.records
         headers, body = body_json(tokens=400, rate=20)
         reader = await H2Reader.open(setup, "/v1/chat/completions", headers, body)
