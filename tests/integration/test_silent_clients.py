@@ -43,7 +43,10 @@ async def test_a_vanished_client_is_cancelled_and_billed_for_what_it_received(
     """cancel: the upstream closes within client_timeout + 5 s of the vanish; the record
     says what the client's TCP acknowledged, within one event of what it received."""
     timeout = 4.0
-    with served(server, tmp_path, client_timeout=timeout) as setup:
+    with (
+        hypercorn_s_shutdown_errors(server),
+        served(server, tmp_path, client_timeout=timeout) as setup,
+    ):
         cable, provider, records = setup.cable, setup.provider, setup.records
         headers, body = body_json(tokens=400, rate=20)
         reader = await setup.open("/v1/chat/completions", headers, body)
@@ -146,7 +149,10 @@ async def test_a_client_vanishing_during_a_silent_first_token_is_noticed(
     """No byte of the answer yet: keep-alive comments and the kernel's keep-alive probes
     give TCP something to acknowledge; noticed within keep_alive + client_timeout + 5 s."""
     keep_alive, timeout = 3.0, 4.0
-    with served(server, tmp_path, client_timeout=timeout, keep_alive=keep_alive) as setup:
+    with (
+        hypercorn_s_shutdown_errors(server),
+        served(server, tmp_path, client_timeout=timeout, keep_alive=keep_alive) as setup,
+    ):
         cable, provider, records = setup.cable, setup.provider, setup.records
         headers, body = body_json(tokens=50, rate=20, first_token_delay=60)
         reader = await setup.open("/v1/chat/completions", headers, body)
@@ -216,15 +222,19 @@ async def test_a_link_that_drops_for_3_s_and_comes_back_keeps_its_stream(
 
 
 @contextlib.contextmanager
-def errors_of_the_cut_connection_at_hypercorn_s_shutdown() -> Iterator[None]:
+def hypercorn_s_shutdown_errors(server: str) -> Iterator[None]:
     """hypercorn's ``TCPServer._close`` awaits ``wait_closed()``, which raises the error the
-    connection was lost with, and its ``serve`` raises it at shutdown: for the connection the
+    connection was lost with, and its ``serve`` raises it at shutdown: for a connection the
     test cut, ``EHOSTUNREACH`` (the kernel's neighbour probe failed while it retried) or
-    ``ETIMEDOUT``. Seen once, in a CI run; anything else still fails the test."""
+    ``ETIMEDOUT``. Seen once, in a CI run (h2c); the tests' assertions are made before it,
+    and anything else still fails them."""
     try:
         yield
     except OSError as exc:
-        if exc.errno not in (errno.EHOSTUNREACH, errno.ETIMEDOUT):
+        if not server.startswith("hypercorn") or exc.errno not in (
+            errno.EHOSTUNREACH,
+            errno.ETIMEDOUT,
+        ):
             raise
 
 
@@ -233,7 +243,7 @@ async def test_over_http2_a_vanished_client_is_cancelled_too(tmp_path: Path) -> 
     delivery is what was handed to the server (streams share the connection's bytes)."""
     timeout = 4.0
     with (
-        errors_of_the_cut_connection_at_hypercorn_s_shutdown(),
+        hypercorn_s_shutdown_errors("hypercorn-h2"),
         served("hypercorn-h2", tmp_path, client_timeout=timeout) as setup,
     ):
         provider, records = setup.provider, setup.records
