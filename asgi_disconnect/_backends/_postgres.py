@@ -16,6 +16,8 @@ from ._durable import claim_from_row, encode_response, info_from_row, join_from
 from ._pending import FlushBatch
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import asyncpg
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore", "mask_url"]
@@ -295,13 +297,8 @@ class PostgresStore:
     # -- writes ---------------------------------------------------------------------
 
     async def flush(self, batch: FlushBatch) -> None:
+        # Whatever the batch holds, in order, in one round trip (asgi_disconnect_flush).
         payloads = _notifications(sorted(batch.touched()))
-        if not (batch.created or batch.changed or batch.usage or batch.finished):
-            # The steady state, new chunks only: a plain statement (one round trip, atomic).
-            args = _chunk_arrays(batch.chunks)
-            await self.pool.execute(self._sql["append"], *args, self.channel, payloads)
-            return
-        # Anything else, in order, in one round trip (asgi_disconnect_flush, in the schema).
         await self.pool.execute(self._sql["flush"], *_flush_arrays(batch), self.channel, payloads)
 
     async def heartbeat(self, owner: str, lease: float) -> None:
@@ -536,7 +533,8 @@ create table if not exists {t}pins (
 create index if not exists asgi_disconnect_pins_expiry on {t}pins (expires_at);
 -- A whole flush in one statement, so one round trip: under load the event loop that
 -- resumes a flush after each round trip is the bottleneck, not the database. The
--- statements run in order, each seeing the ones before, all in the caller's transaction.
+-- statements run in order, each seeing the ones before, all in one transaction; a part
+-- with nothing to write is skipped.
 create or replace function {t}flush(
     c_id text[], c_principal text[], c_policy text[], c_detached boolean[],
     c_status_code int[], c_content_type text[], c_created_at float8[],
@@ -606,18 +604,6 @@ def _statements(t: str) -> dict[str, str]:
     flush_args = ", ".join(f"${n}" for n in range(1, 36))
     return {
         "flush": f"select {t}flush({flush_args})",
-        # "chunks", "sizes" and the notifications at once: each part runs exactly once.
-        "append": f"""
-            with written as (
-                insert into {t}chunks (generation_id, start, data, sizes)
-                select * from unnest($1::text[], $2::bigint[], $3::bytea[], $4::bytea[])
-                on conflict do nothing
-            ), sized as (
-                update {t}generations g set size = r.size
-                from unnest($5::text[], $6::bigint[]) as r(id, size)
-                where g.id = r.id and g.size < r.size
-            )
-            select pg_notify($7, payload) from unnest($8::text[]) as payload""",
         "heartbeat": f"""
             update {t}generations set lease_until = now() + make_interval(secs => $2)
             where owner = $1 and status = 'running'""",
@@ -674,44 +660,27 @@ def _statements(t: str) -> dict[str, str]:
     }
 
 
-def _chunk_arrays(rows: list[tuple[str, int, bytes, bytes]]) -> tuple[list[Any], ...]:
-    """The chunk rows as the arrays their insert takes, then each generation's new end."""
-    ends = {generation_id: start + len(data) for generation_id, start, data, _ in rows}
-    return (
-        [r[0] for r in rows],
-        [r[1] for r in rows],
-        [r[2] for r in rows],
-        [r[3] for r in rows],
-        list(ends),
-        list(ends.values()),
-    )
+def _columns(rows: Sequence[Sequence[Any]], *indexes: int) -> list[list[Any]]:
+    """The rows' fields at ``indexes``, each as the array its ``unnest`` takes."""
+    return [[row[i] for row in rows] for i in indexes]
 
 
 def _flush_arrays(batch: FlushBatch) -> tuple[Any, ...]:
     """A batch as the arguments of asgi_disconnect_flush, but for the notifications."""
-    created, changed, usage, finished = batch.created, batch.changed, batch.usage, batch.finished
+    chunks, usage = batch.chunks, batch.usage
+    ends = {generation_id: start + len(data) for generation_id, start, data, _ in chunks}
     return (
-        [r[0] for r in created],
-        [r[1] for r in created],
-        [r[4] for r in created],
-        [r[5] for r in created],
-        [r[2] for r in created],
-        [r[3] for r in created],
-        [r[6] for r in created],
+        *_columns(batch.created, 0, 1, 4, 5, 2, 3, 6),
         batch.owner,
         batch.lease,
-        *_chunk_arrays(batch.chunks),
-        [r[0] for r in changed],
-        [r[1] for r in changed],
-        [r[2] for r in changed],
-        *([row[i] for row in usage] for i in range(7)),
+        *_columns(chunks, 0, 1, 2, 3),
+        list(ends),  # each generation's new end
+        list(ends.values()),
+        *_columns(batch.changed, 0, 1, 2),
+        *_columns(usage, 0, 1, 2, 3, 4, 5, 6),
         [row[7].decode() for row in usage],
-        [row[8] for row in usage],
-        [r[0] for r in finished],
-        [r[1] for r in finished],
-        [r[2] for r in finished],
-        [r[3] for r in finished],
-        [r[4] for r in finished],
+        *_columns(usage, 8),
+        *_columns(batch.finished, 0, 1, 2, 3, 4),
         batch.ttl,
     )
 
