@@ -1,8 +1,6 @@
 """The asyncio helpers the middlewares share.
 
-Everything here is asyncio's public API and the coroutine protocol. ``Resume`` goes on
-with a coroutine that the *same* task stepped once by hand (``coro.send(None)``), to learn
-whether it waits at all before arming a deadline or starting a watcher; a coroutine is never
+Everything here is asyncio's public API; no coroutine is stepped by hand, and none is
 started in one task and finished in another (a timeout or a cancel scope inside it binds to
 the task that entered it).
 """
@@ -14,10 +12,9 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Coroutine, Generator
+    from collections.abc import Awaitable, Coroutine
 
 __all__ = [
-    "Resume",
     "as_coroutine",
     "join",
     "shielded",
@@ -32,38 +29,11 @@ async def _awaited(awaitable: Awaitable[Any]) -> Any:
 
 
 def as_coroutine(awaitable: Awaitable[Any]) -> Coroutine[Any, Any, Any]:
-    """``awaitable`` as a coroutine that can be stepped with ``send``; a server's ``send``
-    may return any awaitable (granian's is not a coroutine)."""
+    """``awaitable`` as a coroutine, which a task can run; a server's ``send`` may return
+    any awaitable (granian's is not a coroutine)."""
     if type(awaitable) is _COROUTINE:
         return awaitable
     return _awaited(awaitable)
-
-
-class Resume:
-    """Go on with a coroutine that this task stepped once by hand, from where it waits."""
-
-    __slots__ = ("coro", "waiting_on")
-
-    def __init__(self, coro: Any, waiting_on: Any) -> None:
-        self.coro = coro
-        self.waiting_on = waiting_on
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro = self.coro
-        value = self.waiting_on
-        while True:
-            try:
-                sent = yield value
-            except BaseException as exc:
-                try:
-                    value = coro.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-            else:
-                try:
-                    value = coro.send(sent)
-                except StopIteration as stop:
-                    return stop.value
 
 
 async def join(task: asyncio.Task[Any]) -> None:

@@ -19,12 +19,11 @@ import logging
 import math
 import re
 import sys
-import types
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 
-from ._aio import Resume, as_coroutine, join, shielded, wait_bounded
+from ._aio import join, shielded, wait_bounded
 from ._backends import MemoryBackend
 from ._contract import (
     SCOPE_KEY,
@@ -49,7 +48,7 @@ from ._resume import (
 from ._supervisor import Supervisor
 from ._transport import SUPPORTED as _TRANSPORT_SUPPORTED
 from ._transport import TransportMonitor, tune_listeners
-from ._writer import ClientWriter, Delivery
+from ._writer import ClientWriter, Delivery, LagClock
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -64,7 +63,6 @@ __all__ = ["Counters", "DisconnectMiddleware"]
 
 logger = logging.getLogger("asgi_disconnect")
 
-_COROUTINE = types.CoroutineType
 _ROUTE_MEMO_SIZE = 4096
 # How long a request cancelled by the server waits for its app to run its finally blocks.
 _TEARDOWN_TIMEOUT = 5.0
@@ -213,6 +211,7 @@ class DisconnectMiddleware:
             min(max_lag_bytes, READ_BACK_PAST) if self.backend.flush_interval is not None else 0
         )
         self.max_lag_seconds = max_lag_seconds
+        self.lag_clock = LagClock(max_lag_seconds)
         self.shutdown_timeout = shutdown_timeout
         self.keep_alive = keep_alive
         self.client_timeout = client_timeout
@@ -224,6 +223,7 @@ class DisconnectMiddleware:
         # The local ports whose listeners carry the client timeout; None: not looked yet.
         self._tuned_ports: set[int] | None = None if self.transport is not None else set()
         self._listeners_found = self.transport is None
+        self._scans: list[asyncio.TimerHandle] = []  # the listener scans after startup
         self.counters = Counters()
         self.supervisor = Supervisor()
         self.lifecycle: Lifecycle | None = None
@@ -316,8 +316,9 @@ class DisconnectMiddleware:
         if self.transport is not None:
             await self._tune_listeners()
             loop = asyncio.get_running_loop()
-            for delay in _LISTENER_SCANS:
-                loop.call_later(delay, self._tune_listeners)
+            self._scans = [
+                loop.call_later(delay, self._tune_listeners) for delay in _LISTENER_SCANS
+            ]
 
     def _tune_listeners(self) -> asyncio.Future[set[int]]:
         """Give the process's listening sockets the client timeout (see _transport), in a
@@ -369,6 +370,10 @@ class DisconnectMiddleware:
             )
 
     async def _close(self) -> None:
+        for scan in self._scans:
+            scan.cancel()
+        self._scans = []
+        self.lag_clock.close()
         if self.transport is not None:
             self.transport.close()
         await self.backend.aclose()
@@ -569,14 +574,17 @@ class _Exchange:
         "app_error",
         "app_run",
         "app_task",
+        "decider",
         "mw",
         "out",
         "outcome",
         "reader",
+        "reason",
         "request_task",
         "scope",
         "stage",
         "state",
+        "waiter",
     )
 
     def __init__(
@@ -597,6 +605,11 @@ class _Exchange:
         self.app_task: asyncio.Task[None] | None = None
         self.app_run: _AppRun | None = None  # the app in a task of its own (supervised)
         self.app_error: BaseException | None = None
+        # The first reason to act on the client (see ``signal``), and who waits for it: the
+        # request's task (supervised), or a task of the exchange's own (inline).
+        self.reason: str | None = None
+        self.waiter: asyncio.Future[str] | None = None
+        self.decider: asyncio.Task[None] | None = None
         # How the app ended, and what that makes of its generation.
         self.outcome = Outcome(self.out, state, mw.counters)
         self.stage = _RUNNING
@@ -658,21 +671,16 @@ class _Exchange:
         state = self.state
         current_state.set(state)
         send = state.app_send = self.out.app_send
-        app: Any = self.mw.app(self.scope, self.reader.take, send)
-        if type(app) is not _COROUTINE:  # an awaitable that is not a coroutine
-            app = as_coroutine(app)
+        self.request_task = asyncio.current_task()
+        # The client is watched from the app's first turn of the event loop on: an app that
+        # never waits needs no watcher.
+        watch = asyncio.get_running_loop().call_soon(self.reader.start_watch)
         failure: BaseException | None = None
         try:
             try:
-                waiting_on = app.send(None)
-            except StopIteration:
-                pass
-            else:
-                # The app waits on something: watch the client meanwhile. An app that
-                # never waits needs no watcher.
-                self.request_task = asyncio.current_task()
-                self.reader.start_watch()
-                await Resume(app, waiting_on)
+                await self.mw.app(self.scope, self.reader.take, send)
+            finally:
+                watch.cancel()
         except asyncio.CancelledError as exc:
             failure = exc
             ours = self._cancelled_by_us()  # before app_ended, which reads whose it was
@@ -709,29 +717,30 @@ class _Exchange:
 
     async def _end_inline(self, writer: ClientWriter | None) -> None:
         """The inline app is over: stop watching, and end the exchange once the writer
-        handed over what it still holds."""
-        reader = self.reader
-        if writer is None:
+        handed over what it still holds and the policy's decision (if one was taken) is
+        carried out."""
+        try:
+            if writer is not None:
+                await self._join_writer()
+            decider = self.decider
+            if decider is not None:
+                await join(decider)
+        finally:
             if not self.state.detached:
-                reader.stop()
-            if self.out.delivery is _DONE and self.outcome.app == "returned":
+                # Cancelled, not waited for: a cancel scope around the request may be
+                # cancelling every await of it now, and the exchange must end regardless.
+                self.reader.halt()
+            if writer is None and self.out.delivery is _DONE and self.outcome.app == "returned":
                 self._end(_ENDING_DELIVERED)  # a response sent in one piece
             else:
                 self._finish()
-            return
-        try:
-            await self._join_writer()
-        finally:
-            if not self.state.detached:
-                reader.stop()
-            self._finish()
 
     # -- supervised: the app runs in the supervisor's task, the request task watches ---
 
     async def run_supervised(self) -> None:
         mw = self.mw
         reader = self.reader
-        self.request_task = reader.task = asyncio.current_task()
+        self.request_task = asyncio.current_task()
         if _has_body(self.scope):
             reader.hold_body()
         self.app_run = _AppRun(self)
@@ -739,15 +748,22 @@ class _Exchange:
         # A drain reaches it before its response starts too (then it answers 503).
         mw._running[self.state.generation_id] = self
         app_task.add_done_callback(self.part_done)
+        reader.start_watch()
         try:
-            reason = await reader.watch()
+            reason = self.reason
+            if reason is None:
+                waiter = self.waiter = asyncio.get_running_loop().create_future()
+                reason = await waiter
         except asyncio.CancelledError:
             # The server cancelled the request (shutdown, a disconnect under hypercorn, an
             # outer timeout): for this response the client is gone.
+            reader.halt()
             await self._request_cancelled()
             raise
         finally:
+            self.waiter = None
             mw.learn_route(self.scope)
+        reader.halt()  # not waited for, as inline
         if reason == "complete":
             await self._join_writer()
             await join(app_task)
@@ -813,12 +829,29 @@ class _Exchange:
         app_task = self.app_task
         writer = self.out.writer
         if app_task is not None and app_task.done() and (writer is None or writer.task.done()):
-            self.reader.wake("complete" if self.handed() else "done")
+            self.signal("complete" if self.handed() else "done")
             self._finish()
 
     def handed(self) -> bool:
         """The whole response went to the server."""
         return self.out.handed()
+
+    def signal(self, reason: str) -> None:
+        """Why the exchange must act now, the first of: the client disconnected
+        (``client``; ``complete`` once its response was handed over), went silent
+        (``silent``), lags (``lag``), the server refused a send (``error``), or the app and
+        the writer are done (``done``, ``complete``). Supervised, the request's task waits
+        for it; inline (the app runs in the request's task), a task of the exchange's own
+        applies the policy to a client that left."""
+        if self.reason is not None:
+            return
+        self.reason = reason
+        if self.app_task is not None:
+            waiter = self.waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(reason)
+        elif reason != "complete" and reason != "done" and self.outcome.app is None:
+            self.decider = asyncio.get_running_loop().create_task(self.client_lost(reason))
 
     def running_as(self, generation_id: str) -> None:
         self.mw._running[generation_id] = self
@@ -850,7 +883,12 @@ class _Exchange:
             state.disconnected.set()
             state.note("client_disconnect")
             mw.counters.disconnects += 1
-        if runner.done() or self.handed() or self.stage is not _RUNNING:
+        if (
+            runner.done()
+            or self.outcome.app is not None
+            or self.handed()
+            or self.stage is not _RUNNING
+        ):
             return  # over, or detached or cancelled already
         # A server that refused a send broke the response: the work stops as under cancel.
         policy = Policy.CANCEL if reason == "error" else mw.resolve(self.scope)

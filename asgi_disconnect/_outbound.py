@@ -18,7 +18,7 @@ from ._log import HOLD_CHECK, Generation
 from ._policy import route_policy
 from ._records import Status
 from ._resume import error_frame, is_event_stream
-from ._writer import MESSAGE_BYTES, ClientWriter, Delivery, send_whole
+from ._writer import MESSAGE_BYTES, ClientWriter, Delivery
 from .metering import is_llm_json
 
 if TYPE_CHECKING:
@@ -61,6 +61,10 @@ class Owner(Protocol):
 
     def running_as(self, generation_id: str) -> None:
         """A Stop or a drain reaches it under that id from now on."""
+        ...
+
+    def signal(self, reason: str) -> None:
+        """The client is gone (``client``, ``silent``), lags, or the server refused."""
         ...
 
 
@@ -201,6 +205,9 @@ class _Over:
         pass
 
     def running_as(self, generation_id: str) -> None:
+        pass
+
+    def signal(self, reason: str) -> None:
         pass
 
 
@@ -522,11 +529,11 @@ class Outbound:
             self.send,
             generation,
             self.state,
-            max_lag_seconds=self.mw.max_lag_seconds,
+            clock=self.mw.lag_clock,
             expect_trailers=self.expect_trailers,
             on_lost=self._writer_lost,
-            on_done=self.owner.part_done,
         )
+        writer.start(self.owner.part_done)
         transport = self.mw.transport
         if transport is not None:
             chunked = not any(name == b"content-length" for name, _ in self.head)
@@ -543,7 +550,7 @@ class Outbound:
 
     def _writer_lost(self, reason: str) -> None:
         self.client_gone = True
-        self.reader.wake(reason)
+        self.owner.signal(reason)
 
     def _start(self, message: Message) -> Message:
         """Open the generation; return the start message with ``x-generation-id`` added."""
@@ -590,20 +597,31 @@ class Outbound:
         self.client_gone = True
         if self.delivery is not _DONE:
             self.delivery = _GONE
-        self.reader.wake(reason)
+        self.owner.signal(reason)
 
     async def _send_whole(self, message: Message, size: int) -> None:
-        """Send the whole response, one message, from the producer's own task, under the
-        lag deadline (see ``send_whole``)."""
+        """Send the whole response, one message, from the producer's own task, judged by
+        the lag rule while in flight: a client that stops reading (an HTTP/2 window that
+        stays shut) is lagging then, and the policy applies to its request."""
         self.delivery = _FINAL
-        lost = await send_whole(self.send, message, self.mw.max_lag_seconds)
-        if lost == "lag":
+        clock = self.mw.lag_clock
+        clock.begin(self)
+        try:
+            await self.send(message)
+        except OSError:
+            self.client_went_away()
+            return
+        finally:
+            clock.end(self)
+        if self.delivery is _GONE:
+            return  # it lagged meanwhile: what the server took late is not counted
+        self.state.delivered_bytes += size
+        if not self.expect_trailers:
+            self.delivery = _DONE
+
+    def lagging(self) -> None:
+        """The lag clock: the whole response's send waited ``max_lag_seconds``."""
+        if self.delivery is _FINAL:
             self.delivery = _GONE
             self.client_gone = True
-            self.reader.wake("lag")
-        elif lost is not None:
-            self.client_went_away()
-        else:
-            self.state.delivered_bytes += size
-            if not self.expect_trailers:
-                self.delivery = _DONE
+            self.owner.signal("lag")

@@ -1,17 +1,17 @@
 """The request's one reader of the server's ``receive``.
 
 It hands the request's body to the app as the app asks for it (reading the next part only
-once the app took the last: backpressure is kept), and meanwhile watches for the client's
-``http.disconnect``. The exchange that owns it stops a read in progress with ``wake``,
-saying why; a body limit outside (the server's ``receive`` raising) reaches the app's next
-``receive``, as without the middleware.
+once the app took the last: backpressure is kept), and meanwhile watches, in a task of its
+own that its exchange starts and stops, for the client's ``http.disconnect``, which it
+reports to the exchange. A body limit outside (the server's ``receive`` raising) reaches
+the app's next ``receive``, as without the middleware.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from starlette.types import Message, Receive
@@ -32,8 +32,9 @@ class Owner(Protocol):
         """The app's next ``receive`` answers ``http.disconnect``."""
         ...
 
-    async def client_lost(self, reason: str) -> None:
-        """The watch of its own task saw the client go (``client``, ``lag``, ...)."""
+    def signal(self, reason: str) -> None:
+        """The client disconnected: ``complete`` once its response was handed over, else
+        ``client``."""
         ...
 
 
@@ -46,7 +47,7 @@ class _Over:
     def hears_disconnect(self) -> bool:
         return True
 
-    async def client_lost(self, reason: str) -> None:
+    def signal(self, reason: str) -> None:
         pass
 
 
@@ -63,12 +64,9 @@ class RequestReader:
         "inbox",
         "inbox_waiter",
         "owner",
-        "reason",
         "receive",
         "taken_waiter",
         "task",
-        "watching",
-        "woken",
     )
 
     def __init__(self, receive: Receive, owner: Owner) -> None:
@@ -83,11 +81,7 @@ class RequestReader:
         # Resolved when the app first asks for a message or starts its response; the watch
         # reads nothing before (see ``hold_body``).
         self.gate: asyncio.Future[None] | None = None
-        # The task that watches, once one does; why the exchange woke it.
-        self.task: asyncio.Task[Any] | None = None
-        self.watching = False
-        self.woken = False
-        self.reason: str | None = None
+        self.task: asyncio.Task[None] | None = None  # the watch, once started
 
     def hold_body(self) -> None:
         """Read the body when the app asks for it, not before: a body size limit outside
@@ -99,56 +93,58 @@ class RequestReader:
         if gate is not None and not gate.done():
             gate.set_result(None)
 
-    async def watch(self) -> str:
-        """Read until the client disconnects: ``complete`` if the response was handed over
-        by then, else ``client``; or the reason the exchange woke the watch."""
+    def start_watch(self) -> None:
+        """Watch the client from a task of its own, until it disconnects or ``halt``."""
+        if self.task is None and not self.owner.handed():
+            self.task = asyncio.get_running_loop().create_task(self._watch())
+
+    def halt(self) -> None:
+        """Stop the watch: cancelled, it ends at the event loop's next turn."""
+        task = self.task
+        if task is not None:
+            task.cancel()
+
+    async def _watch(self) -> None:
+        """Read until the client disconnects, then tell the owner; or until what comes
+        tells nothing more of the client."""
         receive = self.receive
-        self.watching = True
-        try:
-            gate = self.gate
-            if gate is not None:
-                await gate
-            while True:
-                try:
-                    message = await receive()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    await self._refused(exc)
-                kind = message["type"]
-                if kind == "http.request":
-                    if self.body_read:
-                        # No server sends more after the body's last part: this receive
-                        # answers at once and tells nothing of the client (a test's own,
-                        # say). Reading it again would spin; the exchange wakes the watch.
-                        await asyncio.get_running_loop().create_future()
-                    if not message.get("more_body", False):
-                        self.body_read = True
-                    inbox = self.inbox
-                    if inbox is None:
-                        inbox = self.inbox = deque()
-                    inbox.append(message)
-                    self._give()
-                    if message.get("more_body", False) and inbox:
-                        # Read the next part only once the app took this one.
-                        self.taken_waiter = asyncio.get_running_loop().create_future()
-                        await self.taken_waiter
-                elif kind == "http.disconnect":
-                    return "complete" if self.owner.handed() else "client"
-        except asyncio.CancelledError as exc:
-            if not self.woken:
+        gate = self.gate
+        if gate is not None:
+            await gate
+        while True:
+            try:
+                message = await receive()
+            except asyncio.CancelledError:
                 raise
-            self.woken = False
-            task = self.task
-            if task is not None and task.uncancel() > 0:
-                raise
-            # Our own wake-up, handled: its traceback holds the frames that hold the
-            # cancelled future that holds it; let reference counting free them.
-            exc.__traceback__ = None
-            assert self.reason is not None
-            return self.reason
-        finally:
-            self.watching = False
+            except Exception as exc:
+                # What is outside refused the request's body (a body size limit raises in
+                # its ``receive``): the app's next receive raises it, as without this
+                # middleware, and the watch reads no more.
+                self.error = exc
+                self._give()
+                return
+            kind = message["type"]
+            if kind == "http.request":
+                if self.body_read:
+                    # No server sends more after the body's last part: this receive
+                    # answers at once and tells nothing of the client (a test's own, say).
+                    # Reading it again would spin.
+                    return
+                if not message.get("more_body", False):
+                    self.body_read = True
+                inbox = self.inbox
+                if inbox is None:
+                    inbox = self.inbox = deque()
+                inbox.append(message)
+                self._give()
+                if message.get("more_body", False) and inbox:
+                    # Read the next part only once the app took this one.
+                    self.taken_waiter = asyncio.get_running_loop().create_future()
+                    await self.taken_waiter
+            elif kind == "http.disconnect":
+                owner = self.owner
+                owner.signal("complete" if owner.handed() else "client")
+                return
 
     async def take(self) -> Message:
         """The app's ``receive``."""
@@ -175,34 +171,9 @@ class RequestReader:
             waiter = self.inbox_waiter = asyncio.get_running_loop().create_future()
             await waiter
 
-    def wake(self, reason: str) -> None:
-        """Stop the watch's read of ``receive`` and tell it why."""
-        if self.reason is None:
-            self.reason = reason
-        if self.watching and not self.woken and self.task is not None:
-            self.woken = True
-            self.task.cancel()
-
     def release(self) -> None:
         """Wake an app that waits for its body: it was cancelled."""
         self._give()
-
-    def start_watch(self) -> None:
-        """Watch the client from a task of its own, while the app runs in the request's
-        (a route that can only cancel); the owner hears of a client that went."""
-        if self.task is None and not self.owner.handed():
-            self.task = asyncio.get_running_loop().create_task(self._watch_alone())
-
-    async def _watch_alone(self) -> None:
-        reason = await self.watch()
-        if reason in ("client", "lag", "error", "silent"):
-            await self.owner.client_lost(reason)
-
-    def stop(self) -> None:
-        """Stop a watch of its own task (one started for an inline app)."""
-        task = self.task
-        if task is not None and not task.done():
-            task.cancel()
 
     def unlink(self) -> None:
         """The exchange ended: let go of it (reference counting frees both)."""
@@ -214,12 +185,3 @@ class RequestReader:
             self.inbox_waiter = None
             if not waiter.done():
                 waiter.set_result(None)
-
-    async def _refused(self, exc: Exception) -> NoReturn:
-        """What is outside refused the request's body (a body size limit raises in its
-        ``receive``): the app's next receive raises it, as without this middleware, and the
-        watch reads no more until the exchange is over."""
-        self.error = exc
-        self._give()
-        await asyncio.get_running_loop().create_future()  # until the exchange wakes it
-        raise AssertionError("unreachable")

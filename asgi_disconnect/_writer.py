@@ -8,8 +8,9 @@ switch; one that waits is awaited by the writer task, and everything produced me
 follows from the log. On 3.11 the producer wakes the writer task, which sends what waits.
 Either way a send runs in a task that awaits it to its end, so a timeout or a cancel scope
 inside the server's ``send`` binds to that task, never to the producer. A send that has not
-finished after ``max_lag_seconds``, or a log that runs ``max_lag_bytes`` ahead of the client,
-reports the client as lagging.
+finished after ``max_lag_seconds`` (one ``LagClock`` per middleware judges every send in
+flight with a single timer), or a log that runs ``max_lag_bytes`` ahead of the client, reports
+the client as lagging.
 
 Messages other than start and body keep their place: each is queued behind the chunks
 produced before it (``http.response.trailers`` behind the final body,
@@ -25,9 +26,9 @@ import enum
 import logging
 import sys
 import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ._aio import Resume, as_coroutine, wait_bounded
+from ._aio import as_coroutine, wait_bounded
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from ._log import Generation
     from ._transport import ConnectionWatch
 
-__all__ = ["EAGER_SENDS", "ClientWriter", "Delivery", "send_whole"]
+__all__ = ["EAGER_SENDS", "ClientWriter", "Delivery", "LagClock"]
 
 logger = logging.getLogger("asgi_disconnect")
 
@@ -95,9 +96,9 @@ class ClientWriter:
         "_pending",
         "_room",
         "_room_behind",
+        "clock",
         "closing",
         "context",
-        "deadline",
         "delivery",
         "direct",
         "eager",
@@ -110,7 +111,6 @@ class ClientWriter:
         "latest",
         "loop",
         "note",
-        "on_done",
         "on_lost",
         "reads_back",
         "send",
@@ -127,10 +127,9 @@ class ClientWriter:
         generation: Generation,
         state: RequestState,
         *,
-        max_lag_seconds: float,
+        clock: LagClock,
         expect_trailers: bool,
         on_lost: Callable[[str], None],
-        on_done: Callable[[asyncio.Task[None]], None],
         sent_index: int = 0,
     ) -> None:
         self.send = send
@@ -140,7 +139,6 @@ class ClientWriter:
         self.state = state
         self.expect_trailers = expect_trailers
         self.on_lost = on_lost
-        self.on_done = on_done
         self.sent_index = sent_index
         self.delivery = _OPEN
         self.end_response = True
@@ -152,7 +150,7 @@ class ClientWriter:
         # as it is if it is all that waits.
         self.latest: Message | None = None
         self.error: BaseException | None = None
-        self.deadline = LagDeadline(max_lag_seconds, self._lagging)
+        self.clock = clock  # judges each send in flight by the lag rule
         self._pending: _Pending | None = None
         self.waiter: asyncio.Future[None] | None = None
         self._room: asyncio.Future[None] | None = None
@@ -160,14 +158,18 @@ class ClientWriter:
         # The writer's task runs in a context of its own; eager sends' tasks too.
         self.context = contextvars.copy_context()
         self.loop = asyncio.get_running_loop()
-        self.task: asyncio.Task[None] = self.loop.create_task(self._run(), context=self.context)
-        self.task.add_done_callback(on_done)
         # True while the producer may start sends itself (eager): the writer is idle and
         # caught up.
         self.direct = self.eager
         # The connection's transport, when watched: each body message handed is noted.
         self.watch: ConnectionWatch | None = None
         self.note: Callable[[int], None] | None = None  # watch.sizes.append
+
+    def start(self, on_done: Callable[[asyncio.Task[None]], None]) -> asyncio.Task[None]:
+        """Start the writer's task (its owner waits for it; ``on_done`` hears it ended)."""
+        task = self.task = self.loop.create_task(self._run(), context=self.context)
+        task.add_done_callback(on_done)
+        return task
 
     def move(self, to: Delivery) -> None:
         """Move the response on; an impossible move is a bug, named by both states."""
@@ -220,7 +222,7 @@ class ClientWriter:
         """An eager send finished in its first step: its outcome, as the writer's would be."""
         exc = task.exception()
         if exc is None:
-            self.sent(message, size, count)
+            self._sent(message, size, count)
         elif isinstance(exc, OSError):
             self.lost("client")
         else:
@@ -230,6 +232,7 @@ class ClientWriter:
         """An eager send waits: the writer task awaits it to its end."""
         self.direct = False
         self._pending = (task, message, size, count)
+        self.clock.begin(self)
         self.wake()
 
     def queue(self, message: Message, *, after_end: bool) -> None:
@@ -303,7 +306,7 @@ class ClientWriter:
             pending[0].cancel()  # a send not yet awaited by the writer task
         if not self.task.done() and self.task is not asyncio.current_task():
             self.task.cancel()
-        self.deadline.cancel()
+        self.clock.end(self)
 
     # -- what goes next -----------------------------------------------------------------
 
@@ -365,7 +368,7 @@ class ClientWriter:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def sent(self, message: Message, size: int, count: int) -> None:
+    def _sent(self, message: Message, size: int, count: int) -> None:
         """``message`` (up to chunk ``count`` of the log, ``size`` bytes of it) was handed."""
         kind = message["type"]
         if kind == "http.response.body":
@@ -404,26 +407,26 @@ class ClientWriter:
     # -- the writer task ------------------------------------------------------------------
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         generation = self.generation
         chunks = generation.chunks
+        clock = self.clock
         try:
             while True:
                 pending = self._pending
                 if pending is not None:
+                    # An eager send that waits (its clock started when it was handed).
                     task, message, size, count = pending
-                    self.deadline.arm(loop)
                     try:
                         await task
                     finally:
                         self._pending = None
-                    self.deadline.disarm()
-                    self.sent(message, size, count)
+                        clock.end(self)
+                    self._sent(message, size, count)
                     continue
                 if self.reads_back and self.sent_index < generation.base_index:
                     # What the client has yet to receive left memory (a durable store has
                     # it, see Generation.reads_back): read it back from there.
-                    await send_backlog(self, loop)
+                    await self._send_backlog()
                     continue
                 latest = self.latest
                 if latest is not None:
@@ -436,25 +439,17 @@ class ClientWriter:
                     message, size, count = following
                     if message is not latest and _last(message, self.expect_trailers):
                         self.move(_FINAL)
-                    # Stepped by hand, in this task: the lag deadline is armed only for a
-                    # send that waits.
-                    sending: Any = self.send(message)
-                    if type(sending) is not _COROUTINE:
-                        sending = as_coroutine(sending)
+                    clock.begin(self)  # judged by the lag rule while in flight
                     try:
-                        waiting_on = sending.send(None)
-                    except StopIteration:
-                        pass
-                    else:
-                        self.deadline.arm(loop)
-                        await Resume(sending, waiting_on)
-                        self.deadline.disarm()
-                    self.sent(message, size, count)
+                        await self.send(message)
+                    finally:
+                        clock.end(self)
+                    self._sent(message, size, count)
                     continue
                 if self.delivery is not _OPEN or self.closing:
                     return
                 self.direct = self.eager
-                waiter = self.waiter = loop.create_future()
+                waiter = self.waiter = self.loop.create_future()
                 try:
                     await waiter
                 finally:
@@ -470,10 +465,34 @@ class ClientWriter:
         finally:
             self.direct = False
             self._free_room()
-            # Its timer holds the writer, and through it the log, until it fires.
-            self.deadline.cancel()
+            clock.end(self)
 
-    def _lagging(self) -> None:
+    async def _send_backlog(self) -> None:
+        """Send the client the next part of what memory released before it got there, read
+        back from the store as a resume reader reads it (``read_back``), up to where memory
+        starts, at most 1 MiB at a time. Only the send counts against the lag rule."""
+        generation = self.generation
+        end, end_index = generation.base, generation.base_index
+        offset = self.state.delivered_bytes
+        store = self.state.log_store
+        if store is None:
+            raise RuntimeError(f"generation {generation.id} released bytes with no store")
+        data = await read_back(store, generation.id, offset, self.clock.seconds)
+        data = data[: end - offset]
+        if not data:
+            raise RuntimeError(f"the store gave back no bytes of {generation.id} at {offset}")
+        message: Message = {"type": "http.response.body", "body": data, "more_body": True}
+        clock = self.clock
+        clock.begin(self)
+        try:
+            await self.send(message)
+        finally:
+            clock.end(self)
+        caught_up = offset + len(data) >= end
+        self._sent(message, len(data), end_index if caught_up else self.sent_index)
+
+    def lagging(self) -> None:
+        """The lag clock: a send of this writer has waited ``max_lag_seconds``."""
         if not self.task.done() and self.delivery is not _GONE:
             self.lost("lag")
 
@@ -488,44 +507,62 @@ class ClientWriter:
         return ended
 
 
-class LagDeadline:
-    """The deadline of the send that waits: ``seconds`` after it began. One timer, moved on
-    to the send that waits when it fires for one that finished; a send still waiting then
-    calls ``on_lag``."""
+class Lagging(Protocol):
+    """What the lag clock tells of a send that waited too long."""
 
-    __slots__ = ("on_lag", "seconds", "started", "timer")
+    def lagging(self) -> None: ...
 
-    def __init__(self, seconds: float, on_lag: Callable[[], None]) -> None:
+
+class LagClock:
+    """The lag rule of one middleware: a send in flight for ``seconds`` means its client
+    lags. One timer for every send of every request, set for the oldest one (all wait the
+    same ``seconds``, so the oldest is the first due); each send costs a clock read and a
+    dict entry."""
+
+    __slots__ = ("loop", "seconds", "timer", "waiting")
+
+    def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self.on_lag = on_lag
-        self.started = 0.0  # when the send that waits began; 0: none waits
+        # Who has a send in flight (a writer, a response sent whole) -> when it began,
+        # oldest first.
+        self.waiting: dict[Lagging, float] = {}
         self.timer: asyncio.TimerHandle | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
-    def arm(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.started = loop.time()
+    def begin(self, sender: Lagging) -> None:
+        loop = asyncio.get_running_loop()
+        if loop is not self.loop:
+            self.close()  # the middleware serves another event loop now (tests do)
+            self.loop = loop
+        now = loop.time()
+        self.waiting[sender] = now
         if self.timer is None:
-            self.timer = loop.call_later(self.seconds, self._check)
+            self.timer = loop.call_at(now + self.seconds, self._due)
 
-    def disarm(self) -> None:
-        self.started = 0.0
+    def end(self, sender: Lagging) -> None:
+        self.waiting.pop(sender, None)
 
-    def cancel(self) -> None:
+    def close(self) -> None:
+        """Forget every send and stop the timer (at the lifespan's end, or a new loop)."""
         timer, self.timer = self.timer, None
         if timer is not None:
             timer.cancel()
+        self.waiting.clear()
 
-    def _check(self) -> None:
+    def _due(self) -> None:
         self.timer = None
-        started = self.started
-        if not started:
-            return  # no send waits: the next one that does arms the timer again
-        loop = asyncio.get_running_loop()
-        # The send that waits now may have begun after the timer was set: its own deadline.
-        remaining = started + self.seconds - loop.time()
-        if remaining <= 0:
-            self.on_lag()
-        else:
-            self.timer = loop.call_later(remaining, self._check)
+        loop = self.loop
+        assert loop is not None
+        now = loop.time()
+        waiting = self.waiting
+        while waiting:
+            sender, began = next(iter(waiting.items()))
+            due = began + self.seconds
+            if due > now:
+                self.timer = loop.call_at(due, self._due)
+                return
+            del waiting[sender]
+            sender.lagging()
 
 
 def _last(message: Message, expect_trailers: bool) -> bool:
@@ -542,28 +579,6 @@ def _last(message: Message, expect_trailers: bool) -> bool:
 
 def _ignore_loss(reason: str) -> None:
     """A writer's ``on_lost`` once its exchange is over."""
-
-
-async def send_backlog(writer: ClientWriter, loop: asyncio.AbstractEventLoop) -> None:
-    """Send the client the next part of what memory released before it got there, read
-    back from the store as a resume reader reads it (``read_back``), up to where memory
-    starts, at most 1 MiB at a time. Only the send counts against the lag deadline."""
-    generation, state = writer.generation, writer.state
-    end, end_index = generation.base, generation.base_index
-    offset = state.delivered_bytes
-    store = state.log_store
-    if store is None:
-        raise RuntimeError(f"generation {generation.id} released bytes with no store")
-    data = await read_back(store, generation.id, offset, writer.deadline.seconds)
-    data = data[: end - offset]
-    if not data:
-        raise RuntimeError(f"the store gave back no bytes of {generation.id} at {offset}")
-    message: Message = {"type": "http.response.body", "body": data, "more_body": True}
-    writer.deadline.arm(loop)
-    await writer.send(message)
-    writer.deadline.disarm()
-    caught_up = offset + len(data) >= end
-    writer.sent(message, len(data), end_index if caught_up else writer.sent_index)
 
 
 async def read_back(store: LogStore, generation_id: str, offset: int, patience: float) -> bytes:
@@ -603,25 +618,3 @@ def _coalesced(chunks: list[bytes], index: int, limit: int) -> tuple[bytes, int]
         end += 1
     body = chunks[index] if end == index + 1 else b"".join(chunks[index:end])
     return body, end
-
-
-async def send_whole(send: Send, message: Message, max_lag_seconds: float) -> str | None:
-    """Send a whole response, one message, from the caller's task; a send that cannot
-    finish at once goes on under the lag deadline, so a client that stops reading (or an
-    HTTP/2 window that stays shut) cannot hold it. None once sent; else ``lag`` (the
-    deadline passed) or ``client`` (the server says the client is gone)."""
-    sending: Any = send(message)
-    if type(sending) is not _COROUTINE:
-        sending = as_coroutine(sending)
-    try:
-        try:
-            waiting_on = sending.send(None)
-        except StopIteration:
-            return None
-        async with asyncio.timeout(max_lag_seconds):
-            await Resume(sending, waiting_on)
-    except TimeoutError:
-        return "lag"
-    except OSError:
-        return "client"
-    return None

@@ -197,12 +197,12 @@ async def test_what_a_request_creates_is_counted() -> None:
         stream_installed = await tasks_for(app, "/stream", 5)
         await settle()
     assert len(records) == 25
-    # A route that can only cancel runs inline once learned (its first requests run
-    # supervised, with a task for the app and one watching receive), and no task emits
-    # its record. A stream: the watcher and the client writer, nothing per chunk (21
-    # chunks each here).
+    # A route that can only cancel runs inline once learned (its first request runs
+    # supervised: a task for the app, one watching receive, the client writer), and no
+    # task emits its record. A stream inline: the watcher and the client writer, nothing
+    # per chunk (21 chunks each here): 3 + 2 + 2 + 2 + 2 over five streams.
     assert json_installed - json_bare <= 0.5, (json_bare, json_installed)
-    assert stream_installed - stream_bare <= 2, (stream_bare, stream_installed)
+    assert stream_installed - stream_bare <= (3 + 2 * 4) / 5, (stream_bare, stream_installed)
 
 
 async def garbage_per_request(app: Starlette, path: str, requests: int) -> float:
