@@ -42,7 +42,7 @@ from ._errors import (
     UpstreamStreamError,
     UpstreamUnreachable,
 )
-from .metering import StreamMeter
+from ._llm_stream import StreamMeter
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
