@@ -26,8 +26,8 @@ from ._contract import (
 )
 from ._disconnect import DisconnectMiddleware
 from ._drain import DrainMiddleware
-from ._errors import AsgiDisconnectError
-from ._idempotency import IdempotencyKeyRequired, IdempotencyMiddleware, idempotent
+from ._errors import AsgiDisconnectError, IdempotencyKeyRequired
+from ._idempotency import IdempotencyMiddleware, idempotent
 from ._metering import MeteringMiddleware, estimate_tokens, metered
 from ._pins import SessionPins
 from ._policy import Policy, disconnect_policy

@@ -33,6 +33,7 @@ from ._contract import (
     default_principal,
     new_generation_id,
 )
+from ._frames import DRAINED
 from ._lifecycle import lifecycle_of
 from ._outbound import Outbound
 from ._outcome import Outcome
@@ -41,7 +42,6 @@ from ._problem import send_problem
 from ._reader import RequestReader
 from ._records import Status
 from ._resume import (
-    DRAINED,
     ResumeEndpoints,
     redact_tokens_in_access_logs,
 )

@@ -26,7 +26,7 @@ from ._contract import (
     default_principal,
     request_state,
 )
-from ._errors import AsgiDisconnectError
+from ._errors import IdempotencyKeyRequired
 from ._lifecycle import lifecycle_of
 from ._problem import problem_body, send_problem
 from ._records import Claim, ClaimState, StoredResponse
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from ._contract import ClaimStore, GenerationOutput, LogStore
 
-__all__ = ["IdempotencyKeyRequired", "IdempotencyMiddleware", "idempotent", "parse_key"]
+__all__ = ["IdempotencyMiddleware", "idempotent", "parse_key"]
 
 logger = logging.getLogger("asgi_disconnect")
 
@@ -61,10 +61,6 @@ _F = TypeVar("_F", bound="Callable[..., Any]")
 
 # "claimed", "replayed", "missing" or None outside the middleware.
 _key_state: ContextVar[str | None] = ContextVar("asgi_disconnect_idempotency", default=None)
-
-
-class IdempotencyKeyRequired(AsgiDisconnectError):
-    """Raised by an ``@idempotent(required=True)`` endpoint called without a key."""
 
 
 class _Refusal(Exception):

@@ -25,9 +25,10 @@ from ._contract import (
     content_kind,
 )
 from ._lifecycle import lifecycle_of
+from ._llm_stream import WINDOW, StreamMeter, StreamReport, _after_blank_line
 from ._records import UsageRecord
 from ._request_log import REQUESTS, check_format, log_request
-from .metering import WINDOW, StreamMeter, StreamReport, _after_blank_line, analyze, llm_shape
+from .metering import analyze, llm_shape
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send

@@ -14,10 +14,10 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._contract import METERED_ATTRIBUTE, content_kind
+from ._frames import error_frame, is_event_stream
 from ._log import HOLD_CHECK, Generation
 from ._policy import route_policy
 from ._records import Status
-from ._resume import error_frame, is_event_stream
 from ._writer import MESSAGE_BYTES, ClientWriter, Delivery
 from .metering import is_llm_json
 

@@ -15,11 +15,11 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 from ._contract import Ending, answered
+from ._errors import FirstTokenTimeout, IdleTimeout, UpstreamStatusError, UpstreamStreamError
+from ._frames import STOPPED, error_frame, is_event_stream
 from ._problem import send_problem
 from ._records import Status
-from ._resume import STOPPED, error_frame, is_event_stream
 from ._writer import Delivery
-from .upstream import FirstTokenTimeout, IdleTimeout, UpstreamStatusError, UpstreamStreamError
 
 if TYPE_CHECKING:
     from ._contract import RequestState

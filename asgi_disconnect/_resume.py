@@ -18,6 +18,7 @@ import anyio
 import msgspec
 
 from ._contract import request_state
+from ._frames import DRAINED, LINE_END, STOPPED, EventIds, error_frame, event_ends, is_event_stream
 from ._problem import send_json, send_problem
 from ._records import GenerationInfo, Status
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
     from ._contract import GenerationLog
 
-__all__ = ["STOPPED", "ResumeEndpoints", "error_frame", "is_event_stream"]
+__all__ = ["ResumeEndpoints", "redact_tokens_in_access_logs"]
 
 logger = logging.getLogger("asgi_disconnect")
 
@@ -47,90 +48,10 @@ TOKEN_TTL = 300.0
 # How long a Stop waits for the generation to end before answering 202.
 _STOP_WAIT = 2.0
 _encode = msgspec.json.Encoder().encode
-# The error of a generation its owner stopped; its log ends with its own error frame.
-STOPPED = "stopped by its owner"
-# The error of a generation a drain ended; its log ends with its draining frame.
-DRAINED = "interrupted by a drain: the server is shutting down"
 _ENDINGS = {
     Status.CANCELLED: ("cancelled", "The generation was cancelled after its client disconnected."),
     Status.INTERRUPTED: ("interrupted", "The generation was interrupted before it finished."),
 }
-
-
-def is_event_stream(content_type: str | None) -> bool:
-    return content_type is not None and content_type.lower().startswith("text/event-stream")
-
-
-def error_frame(
-    generation_id: str,
-    code: str,
-    message: str,
-    *,
-    event_id: int | None = None,
-    retry_after: int | None = None,
-) -> bytes:
-    """The SSE ``event: error`` frame that marks a stream that did not complete; a drain's
-    says after how many seconds to retry (on another replica)."""
-    error: dict[str, object] = {"type": code, "message": message, "generation_id": generation_id}
-    if retry_after is not None:
-        error["retry_after"] = retry_after
-    payload = _encode({"error": error})
-    frame = b"event: error\ndata: " + payload + b"\n"
-    if event_id is not None:
-        frame += b"id: %d\n" % event_id
-    return frame + b"\n"
-
-
-_LINE_END = re.compile(rb"\r\n|\r|\n")
-
-
-def event_ends(data: bytes, base: int = 0) -> list[int]:
-    """Where the events in ``data`` end (``base`` + the index just past each blank line),
-    ``data`` starting at the start of a line."""
-    ends = []
-    line_start = 0
-    for match in _LINE_END.finditer(data):
-        if match.start() == line_start:
-            ends.append(base + match.end())
-        line_start = match.end()
-    return ends
-
-
-class _EventIds:
-    """Re-frames an event stream read from ``offset`` (an event's start): whole events
-    only, each with ``id:`` the offset where it ends, so an EventSource's Last-Event-ID
-    says where to resume."""
-
-    __slots__ = ("offset", "pending")
-
-    def __init__(self, offset: int) -> None:
-        self.offset = offset  # where ``pending`` starts in the generation
-        self.pending = b""
-
-    def feed(self, data: bytes) -> bytes:
-        buffer = self.pending + data
-        out: list[bytes] = []
-        line_start = 0
-        event_start = 0
-        for match in _LINE_END.finditer(buffer):
-            start, end = match.span()
-            if end == len(buffer) and buffer[start:end] == b"\r":
-                break  # a CR at the end may be the first half of a CRLF: wait for more
-            if start == line_start:
-                # A blank line ends the event: its id goes just before it.
-                out.append(buffer[event_start:start])
-                out.append(b"id: %d\n" % (self.offset + end))
-                out.append(buffer[start:end])
-                event_start = end
-            line_start = end
-        self.pending = buffer[event_start:]
-        self.offset += event_start
-        return b"".join(out)
-
-    def rest(self) -> bytes:
-        """What never ended in a blank line (a stream cut short), as it is."""
-        rest, self.pending = self.pending, b""
-        return rest
 
 
 def _info_json(info: GenerationInfo) -> bytes:
@@ -339,7 +260,7 @@ class ResumeEndpoints:
             skip = 0
             if start > 0:
                 # Begin at a line start: past the window's first line end.
-                first = _LINE_END.search(data)
+                first = LINE_END.search(data)
                 skip = len(data) if first is None else first.end()
             ends = event_ends(data[skip:], start + skip)
             if ends:
@@ -436,7 +357,7 @@ class ResumeEndpoints:
                 tg.cancel_scope.cancel()
 
             tg.start_soon(watch_disconnect)
-            framer = _EventIds(offset) if events else None
+            framer = EventIds(offset) if events else None
             await self._relay(info, offset, framer, send)
             await send(
                 {
@@ -448,7 +369,7 @@ class ResumeEndpoints:
             tg.cancel_scope.cancel()
 
     async def _relay(
-        self, info: GenerationInfo, offset: int, framer: _EventIds | None, send: Send
+        self, info: GenerationInfo, offset: int, framer: EventIds | None, send: Send
     ) -> None:
         """The generation's bytes from ``offset`` (as whole events, with ``framer``), live
         until it ends."""
@@ -461,7 +382,7 @@ class ResumeEndpoints:
                         continue
                 await send({"type": "http.response.body", "body": data, "more_body": True})
 
-    async def _end(self, info: GenerationInfo, framer: _EventIds | None) -> bytes:
+    async def _end(self, info: GenerationInfo, framer: EventIds | None) -> bytes:
         """What follows the generation's last bytes: the rest of the framer's last event,
         and an error frame if it did not complete (not for a Stop or a drain, which wrote
         their own)."""

@@ -8,8 +8,15 @@
 - only DisconnectMiddleware, which owns the log, imports it: the other middlewares
   (IdempotencyMiddleware among them) read a generation through the contract;
 - ``upstream`` reaches the request only through the contract: it imports no middleware, no
-  store and not the live log (it may use the stream parser, ``metering``, which imports
-  none of them);
+  store, not the live log and no metering (``metering``, ``_metering``); it reads streams
+  with the stream parser, ``_llm_stream``, a low module that metering uses too;
+- a low module (the records, the exceptions, SSE framing, the stream parser) imports no
+  module of the package above it;
+- the response side (``_outbound``, ``_outcome``, ``_writer``) frames an event stream with
+  ``_frames`` and knows the upstream errors from ``_errors``: it imports neither the resume
+  endpoints (``_resume``) nor ``upstream``;
+- the package has no import cycle but the one listed in ``ALLOWED_CYCLES`` while it is
+  being removed; a failure names each cycle as its chain;
 - no module imports another library's private names (``x._y``, ``from x import _y``).
 
 Every import counts: relative or absolute, at module level, under ``if TYPE_CHECKING:``
@@ -23,6 +30,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -44,6 +52,17 @@ LOG_OWNER = "DisconnectMiddleware"
 # Where a disconnect policy is chosen (the contract names only the Policy enum).
 POLICY_MODULES = {"_policy"}
 UPSTREAM = "upstream"
+METERING = {"metering", "_metering"}
+# Imported by the modules above them, never the reverse: the records, the exceptions, SSE
+# framing, and the stream parser (the SSE decoder, the provider adapters, StreamMeter).
+LOW_MODULES = {"_records", "_errors", "_frames", "_llm_stream", "_adapters", "sse"}
+# DisconnectMiddleware's response side, below the exchange that serves the resume endpoints.
+RESPONSE_SIDE = {"_outbound", "_outcome", "_writer"}
+RESUME = "_resume"
+# The only import cycles allowed, each as the set of modules on it. The exchange, its
+# response side and its outcome import each other; that cycle is being removed, and then
+# this list is empty.
+ALLOWED_CYCLES: list[set[str]] = [{"_disconnect", "_outbound", "_outcome"}]
 
 Graph = dict[str, set[str]]
 
@@ -90,10 +109,13 @@ def import_graph(root: Path = ROOT) -> Graph:
     }
 
 
-def chains(graph: Graph, start: str, targets: set[str]) -> list[list[str]]:
-    """The shortest chain of imports from ``start`` to each of ``targets`` it reaches."""
+def chains(
+    graph: Graph, start: str, targets: set[str], avoid: Iterable[str] = ()
+) -> list[list[str]]:
+    """The shortest chain of imports from ``start`` to each of ``targets`` it reaches, not
+    through ``avoid``."""
     previous: dict[str, str] = {}
-    queue, seen = [start], {start}
+    queue, seen = [start], {start, *avoid}
     while queue:
         module = queue.pop(0)
         for imported in sorted(graph[module]):
@@ -114,30 +136,38 @@ def short(module: str) -> str:
     return module.removeprefix(PACKAGE + ".")
 
 
+def full(names: Iterable[str]) -> set[str]:
+    return {f"{PACKAGE}.{name}" for name in names}
+
+
+class Rule(NamedTuple):
+    name: str
+    sources: set[str]
+    forbidden: set[str]
+    # Modules the chains do not go through.
+    around: frozenset[str] = frozenset()
+
+
 def violations(graph: Graph) -> list[str]:
     """Each broken rule as ``rule: a -> b -> c``."""
-
-    def full(names: set[str]) -> set[str]:
-        return {f"{PACKAGE}.{name}" for name in names}
-
     middleware_of = {m: owner for owner, names in MIDDLEWARES.items() for m in full(names)}
     backends = {m for m in graph if m.startswith(f"{PACKAGE}._backends")}
-    rules: list[tuple[str, set[str], set[str]]] = []
+    rules: list[Rule] = []
     for owner, names in MIDDLEWARES.items():
         others = {m for m, other in middleware_of.items() if other != owner}
-        rules.append((f"{owner} imports another middleware", full(names), others))
-    rules.append(("a store imports a middleware", backends, set(middleware_of)))
+        rules.append(Rule(f"{owner} imports another middleware", full(names), others))
+    rules.append(Rule("a store imports a middleware", backends, set(middleware_of)))
     rules.append(
-        (
+        Rule(
             "the contract side imports a middleware or a store",
             full(CONTRACT_SIDE),
             set(middleware_of) | backends,
         )
     )
     log = full({LIVE_LOG})
-    rules.append(("a store imports the live log", backends, log))
+    rules.append(Rule("a store imports the live log", backends, log))
     rules.append(
-        (
+        Rule(
             "the contract imports the live log or a policy module",
             full({"_contract"}),
             log | full(POLICY_MODULES),
@@ -145,21 +175,51 @@ def violations(graph: Graph) -> list[str]:
     )
     for owner, names in MIDDLEWARES.items():
         if owner != LOG_OWNER:
-            rules.append((f"{owner} imports the live log", full(names), log))
+            rules.append(Rule(f"{owner} imports the live log", full(names), log))
     rules.append(
-        (
-            "upstream imports a middleware, a store or the live log",
+        Rule(
+            "upstream imports metering, a middleware, a store or the live log",
             full({UPSTREAM}),
-            set(middleware_of) | backends | log,
+            full(METERING) | set(middleware_of) | backends | log,
+        )
+    )
+    low = full(LOW_MODULES)
+    rules.append(Rule("a low module imports a higher one", low, set(graph) - low))
+    rules.append(
+        Rule(
+            "the response side imports _resume or upstream",
+            full(RESPONSE_SIDE),
+            full({RESUME, UPSTREAM}),
+            # Back up to the exchange is the allowed cycle, which the cycle test reports.
+            around=frozenset(full(set().union(*ALLOWED_CYCLES) - RESPONSE_SIDE)),
         )
     )
     found = []
-    for rule, sources, forbidden in rules:
-        for source in sorted(sources & set(graph)):
-            for chain in chains(graph, source, forbidden):
-                if not forbidden & set(chain[1:-1]):  # else its first part is reported
-                    found.append(f"{rule}: " + " -> ".join(map(short, chain)))
+    for rule in rules:
+        for source in sorted(rule.sources & set(graph)):
+            for chain in chains(graph, source, rule.forbidden, rule.around):
+                if not rule.forbidden & set(chain[1:-1]):  # else its first part is reported
+                    found.append(f"{rule.name}: " + " -> ".join(map(short, chain)))
     return found
+
+
+def cycles(graph: Graph) -> list[list[str]]:
+    """Each import cycle as its chain, ``a -> b -> ... -> a``: for every import that lies on
+    a cycle, the shortest way back; each cycle once, from its first module by name."""
+    found: set[tuple[str, ...]] = set()
+    for module in graph:
+        for imported in graph[module]:
+            for back in chains(graph, imported, {module}):
+                ring = [module, *back[:-1]]
+                first = ring.index(min(ring))
+                ring = ring[first:] + ring[:first]
+                found.add((*ring, ring[0]))
+    return [list(cycle) for cycle in sorted(found)]
+
+
+def allowed(cycle: list[str], allowances: Iterable[set[str]]) -> bool:
+    """Whether every module of ``cycle`` is on one of the ``allowances``."""
+    return any(set(map(short, cycle)) <= names for names in allowances)
 
 
 def test_the_import_graph_follows_the_architecture() -> None:
@@ -167,10 +227,57 @@ def test_the_import_graph_follows_the_architecture() -> None:
     assert not broken, "imports against the architecture:\n" + "\n".join(broken)
 
 
+def test_the_package_has_no_import_cycle() -> None:
+    found = [cycle for cycle in cycles(import_graph()) if not allowed(cycle, ALLOWED_CYCLES)]
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(map(short, c)) for c in found)
+
+
+def test_each_allowed_cycle_is_still_there() -> None:
+    """A cycle that was removed comes off ``ALLOWED_CYCLES``, so it cannot come back."""
+    present = [set(map(short, cycle)) for cycle in cycles(import_graph())]
+    gone = [names for names in ALLOWED_CYCLES if not any(ring <= names for ring in present)]
+    assert not gone, f"no cycle among {gone} any more: take it off ALLOWED_CYCLES"
+
+
+def test_a_cycle_is_named_by_its_chain() -> None:
+    graph = graph_of(
+        [
+            ("_records", "_frames"),
+            ("_frames", "_errors"),
+            ("_errors", "_records"),
+            ("_errors", "_frames"),
+            ("upstream", "_records"),
+        ]
+    )
+    assert [" -> ".join(map(short, cycle)) for cycle in cycles(graph)] == [
+        "_errors -> _frames -> _errors",
+        "_errors -> _records -> _frames -> _errors",
+    ]
+    assert cycles(graph_of([("upstream", "_records"), ("_records", "_errors")])) == []
+
+
+def test_only_a_cycle_within_an_allowed_one_is_allowed() -> None:
+    allowances = [{"_disconnect", "_outbound", "_outcome"}]
+    graph = graph_of(
+        [
+            ("_disconnect", "_outbound"),
+            ("_outbound", "_disconnect"),
+            ("_outcome", "_outbound"),
+            ("_outbound", "_outcome"),
+            ("_outcome", "_writer"),
+            ("_writer", "_outcome"),
+        ]
+    )
+    assert [
+        " -> ".join(map(short, cycle)) for cycle in cycles(graph) if not allowed(cycle, allowances)
+    ] == ["_outcome -> _writer -> _outcome"]
+
+
 def test_every_named_module_exists() -> None:
     modules = set(module_names(ROOT))
     named = {name for names in MIDDLEWARES.values() for name in names} | CONTRACT_SIDE
-    named |= {LIVE_LOG, UPSTREAM} | POLICY_MODULES
+    named |= {LIVE_LOG, UPSTREAM, RESUME} | POLICY_MODULES | METERING | LOW_MODULES
+    named |= RESPONSE_SIDE | set().union(*ALLOWED_CYCLES)
     missing = {name for name in named if f"{PACKAGE}.{name}" not in modules}
     assert not missing, f"the rules name modules that are gone: {sorted(missing)}"
 
@@ -266,8 +373,8 @@ def test_a_broken_rule_names_its_chain() -> None:
             "the contract imports the live log or a policy module: _contract -> _policy",
         ),
         (
-            [("_contract", "_records"), ("_records", "_log")],
-            "the contract imports the live log or a policy module: _contract -> _records -> _log",
+            [("_contract", "_problem"), ("_problem", "_log")],
+            "the contract imports the live log or a policy module: _contract -> _problem -> _log",
         ),
         (
             [("_idempotency", "_helper"), ("_helper", "_log")],
@@ -275,21 +382,64 @@ def test_a_broken_rule_names_its_chain() -> None:
         ),
         (
             [("upstream", "metering"), ("metering", "_metering")],
-            "upstream imports a middleware, a store or the live log: "
-            "upstream -> metering -> _metering",
+            "upstream imports metering, a middleware, a store or the live log: "
+            "upstream -> metering",
+        ),
+        (
+            [("upstream", "_helper"), ("_helper", "_metering")],
+            "upstream imports metering, a middleware, a store or the live log: "
+            "upstream -> _helper -> _metering",
+        ),
+        (
+            [("upstream", "_llm_stream"), ("_llm_stream", "_adapters")],
+            None,
         ),
         (
             [("upstream", "_backends"), ("_backends", "_backends._sqlite")],
-            "upstream imports a middleware, a store or the live log: upstream -> _backends",
+            "upstream imports metering, a middleware, a store or the live log: "
+            "upstream -> _backends",
+        ),
+        (
+            [("_records", "_contract")],
+            "a low module imports a higher one: _records -> _contract",
+        ),
+        (
+            [("_frames", "_helper"), ("_helper", "_records")],
+            "a low module imports a higher one: _frames -> _helper",
+        ),
+        (
+            [("_llm_stream", "_adapters"), ("_adapters", "sse"), ("_errors", "_frames")],
+            None,
+        ),
+        (
+            [("_writer", "_helper"), ("_helper", "_resume")],
+            "the response side imports _resume or upstream: _writer -> _helper -> _resume",
+        ),
+        (
+            [("_outcome", "_resume")],
+            "the response side imports _resume or upstream: _outcome -> _resume",
+        ),
+        (
+            [("_outcome", "upstream")],
+            "the response side imports _resume or upstream: _outcome -> upstream",
+        ),
+        (
+            # Up to the exchange, which serves the resume endpoints: the allowed cycle's way.
+            [("_outbound", "_disconnect"), ("_disconnect", "_resume")],
+            None,
         ),
     ],
 )
-def test_each_rule_names_its_chain(edges: list[tuple[str, str]], expected: str) -> None:
+def test_each_rule_names_its_chain(edges: list[tuple[str, str]], expected: str | None) -> None:
+    assert violations(graph_of(edges)) == ([] if expected is None else [expected])
+
+
+def graph_of(edges: list[tuple[str, str]]) -> Graph:
     graph: Graph = {}
     for source, target in edges:
         graph.setdefault(f"{PACKAGE}.{source}", set()).add(f"{PACKAGE}.{target}")
         graph.setdefault(f"{PACKAGE}.{target}", set())
-    assert violations(graph) == [expected]
+    return graph
 
 
 def test_disconnect_middleware_owns_the_log() -> None:

@@ -1,6 +1,8 @@
 """What the SQLite and PostgreSQL backends share: batched flushes, leases, sweeps, claims.
 
-What waits for the next flush is in ``_pending``; generations followed in the store, ``_tails``.
+What waits for the next flush is in ``_pending``; generations followed in the store, ``_tails``;
+the rows the SQL stores read back, ``_rows``. The database half (``SQLStore``) is split by what
+each part of the backend asks of it, as the stores of ``_contract`` are split by their callers.
 """
 
 from __future__ import annotations
@@ -9,93 +11,44 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from .._errors import BackendUnavailable
-from .._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
+from .._records import GenerationInfo, Status, UsageRecord
 from ._bound import PendingBound
 from ._pending import PendingWrites
-from ._tails import StoreTails
+from ._tails import StoreTails, TailSource
 from ._window import FlushWindow, default_ceiling
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Callable
 
     from .._contract import LiveLog
+    from .._records import Claim, StoredResponse
     from ._pending import FlushBatch
 
 
-__all__ = ["DurableBackend", "SQLStore"]
+__all__ = [
+    "DurableBackend",
+    "SQLClaims",
+    "SQLGenerations",
+    "SQLLifecycle",
+    "SQLPins",
+    "SQLStore",
+    "SQLUsage",
+    "SQLWrites",
+]
 
 logger = logging.getLogger("asgi_disconnect")
 
 
-def encode_response(response: StoredResponse) -> bytes:
-    return msgspec.msgpack.encode(response)
-
-
-def info_from_row(row: Any) -> tuple[GenerationInfo, str]:
-    """A generation row (id, status, policy, size, status_code, content_type, created_at,
-    finished_at, detached, error, principal) as its info and its principal."""
-    return (
-        GenerationInfo(
-            id=row[0],
-            status=Status(row[1]),
-            policy=row[2],
-            size=row[3],
-            status_code=row[4],
-            content_type=row[5],
-            created_at=row[6],
-            finished_at=row[7],
-            detached=bool(row[8]),
-            error=row[9],
-        ),
-        row[10],
-    )
-
-
-def join_from(rows: Any, offset: int, limit: int) -> bytes:
-    """Chunk rows (start, data), in order, joined from byte ``offset``; about ``limit`` bytes."""
-    parts: list[bytes] = []
-    total = 0
-    for start, data in rows:
-        data = bytes(data)
-        if start < offset:
-            data = data[offset - start :]
-        if not data:
-            continue
-        parts.append(data)
-        total += len(data)
-        if total >= limit:
-            break
-    return b"".join(parts)
-
-
-def claim_from_row(row: Any, fingerprint: bytes) -> Claim:
-    """Read a claim someone else holds: (status, fingerprint, seconds left, response, gen)."""
-    if row is None:
-        # Released between our insert and our read: the next attempt may take it.
-        return Claim(state=ClaimState.RUNNING, retry_after=0.0)
-    status, stored_fingerprint, left, response, generation_id = row
-    if bytes(stored_fingerprint) != fingerprint:
-        return Claim(state=ClaimState.MISMATCH)
-    if status == "completed":
-        stored = msgspec.msgpack.decode(bytes(response), type=StoredResponse)
-        return Claim(state=ClaimState.COMPLETED, response=stored, generation_id=generation_id)
-    return Claim(
-        state=ClaimState.RUNNING,
-        retry_after=max(0.0, float(left or 0.0)),
-        generation_id=generation_id,
-    )
-
-
-class SQLStore(Protocol):
-    """The database half of a durable backend."""
+class SQLLifecycle(Protocol):
+    """The database half's life: opened before use, closed at shutdown, and why it refuses
+    every write for good (DurableBackend's ``open``, ``aclose`` and ``failure``)."""
 
     url: str
-    poll_interval: float
 
     @property
     def failure(self) -> str | None:
@@ -103,15 +56,32 @@ class SQLStore(Protocol):
 
     async def open(self) -> None: ...
     async def aclose(self) -> None: ...
+
+
+class SQLWrites(Protocol):
+    """What the flush worker writes and asks: each flush's batch, the leases, the sweep of
+    generations whose owner is gone, the reaper, and the Stops asked of this process."""
+
     async def flush(self, batch: FlushBatch) -> None: ...
     async def heartbeat(self, owner: str, lease: float) -> None: ...
-    async def renew_claims(self, owner: str, lease: float) -> None: ...
     async def sweep(self, ttl: float) -> list[str]: ...
     async def reap(self, limit: int) -> int: ...
+    async def cancel_requests(self, owner: str) -> list[str]: ...
+
+
+class SQLGenerations(Protocol):
+    """The generations as their readers see them (DurableBackend as a ``GenerationLog``),
+    and a Stop asked of the process that runs one."""
+
     async def info(self, generation_id: str) -> tuple[GenerationInfo, str] | None: ...
-    async def recent(self, limit: int, status: str | None) -> list[GenerationInfo]: ...
     async def read(self, generation_id: str, offset: int, limit: int) -> bytes: ...
-    async def usage(self, generation_id: str) -> list[bytes]: ...
+    async def recent(self, limit: int, status: str | None) -> list[GenerationInfo]: ...
+    async def request_cancel(self, generation_id: str) -> bool: ...
+
+
+class SQLClaims(Protocol):
+    """The claims (DurableBackend as a ``ClaimStore``): each one statement, never batched."""
+
     async def claim(
         self,
         principal: str,
@@ -123,6 +93,7 @@ class SQLStore(Protocol):
         lease: float,
         ttl: float,
     ) -> Claim: ...
+    async def renew_claims(self, owner: str, lease: float) -> None: ...
     async def complete_claim(
         self, principal: str, key: str, *, owner: str, response: StoredResponse, ttl: float
     ) -> bool: ...
@@ -130,13 +101,30 @@ class SQLStore(Protocol):
     async def note_generation(
         self, principal: str, key: str, *, owner: str, generation_id: str
     ) -> None: ...
-    async def changed(self, generation_id: str, timeout: float) -> None: ...
-    async def request_cancel(self, generation_id: str) -> bool: ...
-    async def cancel_requests(self, owner: str) -> list[str]: ...
+
+
+class SQLUsage(Protocol):
+    """The usage records stored (DurableBackend as a ``UsageStore``); they are written with
+    the flushes."""
+
+    async def usage(self, generation_id: str) -> list[bytes]: ...
+
+
+class SQLPins(Protocol):
+    """The session pins (DurableBackend as a ``PinStore``): one statement each."""
+
     async def pin_session(
         self, principal: str, session_id: str, provider: str, ttl: float
     ) -> str: ...
     async def end_session(self, principal: str, session_id: str) -> bool: ...
+
+
+class SQLStore(
+    SQLLifecycle, SQLWrites, SQLGenerations, TailSource, SQLClaims, SQLUsage, SQLPins, Protocol
+):
+    """The database half of a durable backend: every part above, and what its tails ask
+    (``TailSource``), as ``connect`` hands it to ``DurableBackend`` (``SQLiteStore``,
+    ``PostgresStore``)."""
 
 
 # How often a process asks the store whether an owner wants one of its generations stopped.

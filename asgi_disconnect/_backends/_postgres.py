@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 
 from .._errors import BackendUnavailable
 from .._records import Claim, ClaimState, GenerationInfo, StoredResponse
-from ._durable import claim_from_row, encode_response, info_from_row, join_from
 from ._pending import FlushBatch
+from ._rows import claim_from_row, encode_response, info_from_row, join_from
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -280,11 +280,13 @@ class PostgresStore:
         for generation_id in list(self._waiters):
             self._wake(generation_id)
 
-    async def changed(self, generation_id: str, timeout: float) -> None:
+    async def changed(self, generation_id: str, seen: tuple[str, int]) -> None:
+        """Wait for a notification naming the generation, at most ``poll_interval`` (in
+        case one was missed); a notification does not say what changed: None."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(generation_id, set()).add(waiter)
         try:
-            await asyncio.wait_for(waiter, timeout)
+            await asyncio.wait_for(waiter, self.poll_interval)
         except TimeoutError:
             pass
         finally:

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import BackendUnavailable
 from .._records import Claim, ClaimState, GenerationInfo, StoredResponse
-from ._durable import claim_from_row, encode_response, info_from_row, join_from
 from ._pending import FlushBatch
+from ._rows import claim_from_row, encode_response, info_from_row, join_from
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -23,6 +23,9 @@ logger = logging.getLogger("asgi_disconnect")
 
 SCHEMA_VERSION = 1
 _T = TypeVar("_T")
+# The poller tells a tail of each change; the tail asks the store again unprompted after
+# this long only as a safety net.
+_NOTICE_TIMEOUT = 1.0
 
 # The database's clock, as Unix seconds: every lease and expiry is judged by it.
 _NOW = "((julianday('now') - 2440587.5) * 86400.0)"
@@ -190,7 +193,7 @@ class SQLiteStore:
     WAL lets readers in other worker processes run beside the writer; ``busy_timeout``
     makes writers wait for each other instead of failing.
 
-    Live tails of generations written by other processes wait in ``changed_from`` on
+    Live tails of generations written by other processes wait in ``changed`` on
     one poller per store, which looks at every generation they wait on with one statement
     every ``poll_interval``: the polling costs the same for one tail or a thousand.
     """
@@ -553,16 +556,11 @@ class SQLiteStore:
 
         return await self._run(self._write, end)
 
-    async def changed(self, generation_id: str, timeout: float) -> None:
-        await asyncio.sleep(timeout)
-
-    async def changed_from(
-        self, generation_id: str, seen: tuple[str, int], timeout: float
-    ) -> tuple[str, int] | None:
+    async def changed(self, generation_id: str, seen: tuple[str, int]) -> tuple[str, int] | None:
         """Wait until the generation's (status, size) differs from ``seen``, as the
-        store's one poller sees it; return what it is now. None: gone, or not known (the
-        ``timeout`` passed, or the poller failed), so ask ``info``."""
-        return await self._changes.changed_from(generation_id, seen, timeout)
+        store's one poller sees it; return what it is now. None: gone, or not known
+        (``_NOTICE_TIMEOUT`` passed, or the poller failed), so ask ``info``."""
+        return await self._changes.changed_from(generation_id, seen, _NOTICE_TIMEOUT)
 
     async def _read_states(self, ids: list[str]) -> dict[str, tuple[str, int]]:
         return await self._run(self._states, ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
 from .._errors import BackendUnavailable
 from .._records import Status
@@ -13,25 +13,27 @@ from .._records import Status
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator
 
-    from ._durable import SQLStore
+    from .._records import GenerationInfo
 
-__all__ = ["ChangeNotices", "StoreTails"]
+__all__ = ["StoreTails", "TailSource"]
 
 logger = logging.getLogger("asgi_disconnect")
 
 
-@runtime_checkable
-class ChangeNotices(Protocol):
-    """A store whose one poller tells each live tail when its generation moved on (SQLite)."""
+class TailSource(Protocol):
+    """What the tails ask of a store: a generation's row, its bytes, and a wait for it to
+    change (a notification on PostgreSQL, one poller per store on SQLite)."""
 
-    async def changed_from(
-        self, generation_id: str, seen: tuple[str, int], timeout: float
-    ) -> tuple[str, int] | None:
-        """Wait until (status, size) moved on from ``seen``; what it is now, or None."""
+    async def info(self, generation_id: str) -> tuple[GenerationInfo, str] | None:
+        """The generation's info and its principal, or None if it is unknown or expired."""
 
+    async def read(self, generation_id: str, offset: int, limit: int) -> bytes:
+        """About ``limit`` of its stored bytes from ``offset``; b"" past its rows."""
 
-# With change notices, a tail asks the store again unprompted only as a safety net.
-_NOTICE_TIMEOUT = 1.0
+    async def changed(self, generation_id: str, seen: tuple[str, int]) -> tuple[str, int] | None:
+        """Wait until the generation may have moved on from ``seen`` (status, size): what
+        it is now, or None when the store does not say (ask ``info``). The store bounds the
+        wait itself, so that a notice it missed costs at most that long."""
 
 
 class _Tail:
@@ -87,10 +89,9 @@ class StoreTails:
     leave stops it. ``len()`` is the number of generations followed now.
     """
 
-    def __init__(self, store: SQLStore, url: str) -> None:
+    def __init__(self, store: TailSource, url: str) -> None:
         self._store = store
         self._url = url
-        self._notices = store if isinstance(store, ChangeNotices) else None
         self._following: dict[str, tuple[_Tail, asyncio.Task[None]]] = {}
 
     def __len__(self) -> int:
@@ -211,11 +212,7 @@ class StoreTails:
                         )
                     tail.final = True
                     return
-                if self._notices is not None:
-                    state = await self._notices.changed_from(generation_id, state, _NOTICE_TIMEOUT)
-                else:
-                    await store.changed(generation_id, store.poll_interval)
-                    state = None
+                state = await store.changed(generation_id, state)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
