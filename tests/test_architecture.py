@@ -670,40 +670,6 @@ def test_a_move_the_table_does_not_allow_raises_naming_both_stages() -> None:
                 assert exchange.stage is start
 
 
-# -- class size (issue 24): no class over 400 lines ------------------------------------------
-
-MAX_CLASS_LINES = 400
-
-
-def class_lengths(source: str) -> dict[str, int]:
-    """Each class in ``source``, nested ones too: lines from its ``class`` statement to its
-    last line (decorators not counted)."""
-    lengths = {}
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ClassDef):
-            assert node.end_lineno is not None
-            lengths[node.name] = node.end_lineno - node.lineno + 1
-    return lengths
-
-
-def test_no_class_is_over_400_lines() -> None:
-    # "module.Class" -> lines, for each class over the limit.
-    over = {
-        f"{short(name)}.{cls}": length
-        for name, path in module_names(ROOT).items()
-        for cls, length in class_lengths(path.read_text("utf-8")).items()
-        if length > MAX_CLASS_LINES
-    }
-    assert not over, f"classes over {MAX_CLASS_LINES} lines; split them by responsibility:\n" + (
-        "\n".join(f"{where}: {over[where]} lines" for where in sorted(over))
-    )
-
-
-def test_a_class_is_counted_from_its_class_statement_to_its_last_line() -> None:
-    source = "@decorated\nclass A:\n    x = 1\n\n    class B:\n        y = 2\n\n    z = 3\n"
-    assert class_lengths(source) == {"A": 7, "B": 2}
-
-
 # -- the client writer owns delivery ---------------------------------------------------------
 
 
