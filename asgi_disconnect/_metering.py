@@ -19,6 +19,7 @@ from ._aio import shielded
 from ._contract import (
     METERED_ATTRIBUTE,
     Outcome,
+    Policy,
     RequestState,
     Reservations,
     UsageSink,
@@ -33,7 +34,7 @@ from .metering import analyze, llm_shape
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from ._contract import GenerationOutput
+    from ._contract import GenerationOutput, LogStore
 
 __all__ = [
     "MeteringMiddleware",
@@ -58,6 +59,8 @@ _JSON_LIMIT = 4 << 20
 # needs (``object``, ``model`` first; ``usage`` last).
 _JSON_HEAD = 64 << 10
 _JSON_TAIL = 256 << 10
+# How long a record waits for the store to give back a stream's bytes its log let go.
+_STORED_READ_TIMEOUT = 30.0
 
 
 def estimate_tokens(text: str) -> int:
@@ -183,11 +186,14 @@ class MeteringMiddleware:
         self.reservations = reservations
         self.tokenizer = tokenizer
         self.calibration = Calibration()
-        self.records = 0
-        # Emissions that wait on something (a reservation, an async sink, a long text),
-        # in order, for one task.
-        self._jobs: deque[Awaitable[None]] = deque()
-        self._emitter: asyncio.Task[None] | None = None
+        # What each request's tee is given: how to count tokens, and where records go.
+        self._counting = _Counting(tokenizer=tokenizer, calibration=self.calibration)
+        self._emitter = _Emitter(self.sinks, reservations, self.request_log)
+
+    @property
+    def records(self) -> int:
+        """How many usage records were emitted."""
+        return self._emitter.records
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -203,7 +209,9 @@ class MeteringMiddleware:
             state.expect_usage()
         provider_of = self._provider_of
         provider = provider_of(scope) if provider_of is not None else self._provider
-        tee = _Tee(scope, provider, time.time(), time.monotonic(), state, self)
+        tee = _Tee(
+            scope, provider, time.time(), time.monotonic(), state, self._counting, self._emitter
+        )
         if self.reservations is not None:
             try:
                 tee.reservation = await self.reservations.reserve(scope)
@@ -234,53 +242,150 @@ class MeteringMiddleware:
                 # The exchange may still be delivering: record when it is over.
                 state.on_end(tee.over)
             else:
-                await shielded(self._emit(tee))
+                await shielded(tee.emit())
 
-    def _finished(self, tee: _Tee, state: RequestState) -> None:
-        """The exchange is over: emit its record now when nothing in it waits (no
-        reservation to settle, a short text to count, sinks that return nothing), else
-        queue the emission for the one emitter task."""
-        scope = tee.scope
-        meter = tee.meter
-        # At most how many characters of text the report holds: counted off the loop above
-        # _OFF_LOOP_TEXT (unless the count is the default's, a division).
-        if (
-            self.reservations is not None
-            or (meter.text_chars if meter is not None else tee.produced) > _OFF_LOOP_TEXT
-        ):
-            self._queue(self._emit(tee))
-            return
-        if tee.direct and state.generation is None and tee.mark is None and tee.status_code:
-            # DisconnectMiddleware found no LLM exchange in the response (by the rule that
-            # ``wanted`` applies): nothing to read, no record.
-            if state.usage_pending:
-                state.settle_usage(None)
-            return
-        try:
-            report = tee.report()
-            if not tee.wanted(report):
-                if state.usage_pending:
-                    state.settle_usage(None)
-                return
-            if tee.log is not None and self._wants_text(tee, report, tee.delivered):
-                if not tee.whole_in_memory():
-                    self._queue(self._emit(tee))
-                    return
-                report = _read_log(tee, tee.delivered, report)
-                if self.tokenizer is not estimate_tokens and len(report.text) > _OFF_LOOP_TEXT:
-                    self._queue(self._emit(tee, report))
-                    return
-            record = self._build(scope, tee, state, report, None)
-        except Exception:
-            logger.exception("analysing the response failed; its usage is recorded as unknown")
-            record = self._unknown(scope, tee, state)
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Wait for records still being emitted (called at lifespan shutdown)."""
+        await self._emitter.drain(timeout)
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lifecycle, owner = lifecycle_of(scope)
+        lifecycle.register("MeteringMiddleware", unique=True, flush=self.drain)
+        await lifecycle.run(owner, self.app, scope, receive, send)
+
+
+class _Counting(msgspec.Struct, frozen=True, kw_only=True):
+    """How a record counts the tokens its provider did not report: with the tokenizer
+    given, else at the characters per token ``calibration`` learned for the model, else at
+    four; built once per middleware, given to each request's tee."""
+
+    tokenizer: Callable[[str], int]
+    calibration: Calibration
+
+    @property
+    def custom(self) -> bool:
+        """Whether the tokenizer is one given (not a division: a long text is counted off
+        the loop)."""
+        return self.tokenizer is not estimate_tokens
+
+    def estimate(self, text: str, model: str | None) -> tuple[int, str]:
+        """Tokens in ``text`` and how they were counted."""
+        if self.tokenizer is not estimate_tokens:
+            return self.tokenizer(text), "estimated with the tokenizer given"
+        calibrated = self.calibration.ratio(model)
+        if calibrated is None:
+            return estimate_tokens(text), "estimated at 4 characters per token"
+        ratio, answers = calibrated
+        return max(1, round(len(text) / ratio)), (
+            f"estimated at {ratio:.2f} characters per token, calibrated on {answers} "
+            f"answer(s) of {model}"
+        )
+
+    def wants_sample(self, report: Any) -> bool:
+        """Whether the calibration learns from this report's text: a complete answer with
+        the provider's counts, of a model it samples now."""
+        return (
+            report.usage_source == "provider"
+            and report.terminal_marker_seen
+            and bool(report.output_tokens)
+            and self.calibration.wants(report.model)
+        )
+
+    async def off_loop(self, report: Any) -> int | None:
+        """The output tokens of a long text with none reported, counted in a thread by the
+        tokenizer given; None for the others (counted with the record)."""
+        if report.output_tokens is None and len(report.text) > _OFF_LOOP_TEXT and self.custom:
+            return await asyncio.to_thread(self.tokenizer, report.text)
+        return None
+
+    def counts(
+        self,
+        report: Any,
+        text: str,
+        estimate: int | None,
+        request_body: bytes | None,
+        notes: list[str],
+    ) -> tuple[int | None, int | None, str]:
+        """(input tokens, output tokens, their source): the provider's, else estimated from
+        the text produced (``estimate`` if counted already) and the prompt in
+        ``request_body`` (how, in ``notes``); a complete answer with the provider's counts
+        teaches the calibration."""
+        input_tokens, output_tokens = report.input_tokens, report.output_tokens
+        usage_source = report.usage_source
+        if usage_source == "provider" and output_tokens and text and report.terminal_marker_seen:
+            self.calibration.learn(
+                report.model, len(text), output_tokens - (report.reasoning_tokens or 0)
+            )
+        if output_tokens is None and text:
+            if estimate is not None:
+                output_tokens, how = estimate, "estimated with the tokenizer given"
+            else:
+                output_tokens, how = self.estimate(text, report.model)
+            usage_source = "estimated"
+            notes.append(how)
+        if input_tokens is None and request_body is not None:
+            # The provider's usage never came (a cancel): the prompt the app sent upstream.
+            prompt = prompt_text(request_body)
+            if prompt:
+                input_tokens, how = self.estimate(prompt, report.model)
+                usage_source = "estimated"
+                if how not in notes:
+                    notes.append(how)
+        return input_tokens, output_tokens, usage_source
+
+
+class _Emitter:
+    """Where a middleware's records go: the request's state, the request log, the
+    reservations and the sinks. Emissions that wait on something (a reservation, an async
+    sink, a long text) run in order in one task, not a task per request."""
+
+    __slots__ = ("_jobs", "_task", "records", "request_log", "reservations", "sinks")
+
+    def __init__(
+        self,
+        sinks: tuple[UsageSink, ...],
+        reservations: Reservations | None,
+        request_log: str | None,
+    ) -> None:
+        self.sinks = sinks
+        self.reservations = reservations
+        self.request_log = request_log
+        self.records = 0
+        self._jobs: deque[Awaitable[None]] = deque()
+        self._task: asyncio.Task[None] | None = None
+
+    def emit(self, record: UsageRecord, state: RequestState | None, ended: Outcome | None) -> None:
+        """Emit ``record`` now (no reservation waits for it); what async sinks return is
+        queued."""
+        self._settle(record, state, ended)
+        for waiting in self._to_sinks(record):
+            self.queue(waiting)
+
+    async def emit_waiting(
+        self,
+        record: UsageRecord,
+        state: RequestState | None,
+        ended: Outcome | None,
+        reservation: Any,
+    ) -> None:
+        """Emit ``record``, settle its reservation and await what async sinks return."""
+        self._settle(record, state, ended)
+        if self.reservations is not None:
+            try:
+                await self.reservations.settle(reservation, record)
+            except Exception:
+                logger.exception("settle() failed for generation %s", record.generation_id)
+        for waiting in self._to_sinks(record):
+            await waiting
+
+    def _settle(
+        self, record: UsageRecord, state: RequestState | None, ended: Outcome | None
+    ) -> None:
         self.records += 1
-        if state.usage_pending:
+        if state is not None:
             state.settle_usage(record)
         if self.request_log is not None and REQUESTS.isEnabledFor(logging.INFO):
-            log_request(self.request_log, record, tee.outcome)
-        for waiting in self._to_sinks(record):
-            self._queue(waiting)
+            log_request(self.request_log, record, ended)
 
     def _to_sinks(self, record: UsageRecord) -> Sequence[Awaitable[None]]:
         """Give ``record`` to each sink; what async sinks return, to await in order."""
@@ -297,16 +402,16 @@ class MeteringMiddleware:
                 waiting.append(_awaited(result, record))
         return waiting or ()
 
-    def _queue(self, job: Awaitable[None]) -> None:
+    def queue(self, job: Awaitable[None]) -> None:
         self._jobs.append(job)
-        emitter = self._emitter
-        if emitter is None or emitter.done():
+        task = self._task
+        if task is None or task.done():
             # A context of its own: it outlives the request that happened to start it.
-            self._emitter = asyncio.get_running_loop().create_task(
-                self._emit_queued(), context=contextvars.Context()
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), context=contextvars.Context()
             )
 
-    async def _emit_queued(self) -> None:
+    async def _run(self) -> None:
         jobs = self._jobs
         while jobs:
             try:
@@ -316,230 +421,26 @@ class MeteringMiddleware:
             finally:
                 jobs.popleft()
 
-    async def drain(self, timeout: float = 10.0) -> None:
-        """Wait for records still being emitted (called at lifespan shutdown)."""
-        emitter = self._emitter
-        if emitter is not None and not emitter.done():
-            await asyncio.wait({emitter}, timeout=timeout)
-
-    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
-        lifecycle, owner = lifecycle_of(scope)
-        lifecycle.register("MeteringMiddleware", unique=True, flush=self.drain)
-        await lifecycle.run(owner, self.app, scope, receive, send)
-
-    async def _emit(self, tee: _Tee, report: Any = None) -> None:
-        scope, state, reservation = tee.scope, tee.state, tee.reservation
-        try:
-            if report is None:
-                report = tee.report()
-                if reservation is None and not tee.wanted(report):
-                    if state is not None:
-                        state.settle_usage(None)
-                    return
-                if state is not None and self._wants_text(tee, report, tee.delivered):
-                    report = await _read_stored(tee, state, report)
-            record = await self._record(scope, tee, state, report)
-        except Exception:
-            logger.exception("analysing the response failed; its usage is recorded as unknown")
-            record = self._unknown(scope, tee, state)
-        self.records += 1
-        if state is not None:
-            state.settle_usage(record)
-        if self.request_log is not None and REQUESTS.isEnabledFor(logging.INFO):
-            log_request(self.request_log, record, tee.outcome)
-        if self.reservations is not None:
-            try:
-                await self.reservations.settle(reservation, record)
-            except Exception:
-                logger.exception("settle() failed for generation %s", record.generation_id)
-        for waiting in self._to_sinks(record):
-            await waiting
-
-    async def _record(
-        self, scope: Scope, tee: _Tee, state: RequestState | None, report: Any
-    ) -> UsageRecord:
-        estimate = None
-        if (
-            report.output_tokens is None
-            and len(report.text) > _OFF_LOOP_TEXT
-            and self.tokenizer is not estimate_tokens
-        ):
-            estimate = await asyncio.to_thread(self.tokenizer, report.text)
-        return self._build(scope, tee, state, report, estimate)
-
-    def _wants_text(self, tee: _Tee, report: Any, delivered: int) -> bool:
-        """Whether the record needs the text of a stream left to its log: for an estimate,
-        the share delivered, or a calibration sample of a complete answer."""
-        if tee.log is None:
-            return False
-        if report.output_tokens is None:  # an estimate, unless the provider's usage came aside
-            return tee.state is None or tee.state.upstream_usage is None
-        if delivered < tee.produced:
-            return True  # the share delivered
-        return (
-            report.usage_source == "provider"
-            and report.terminal_marker_seen
-            and bool(report.output_tokens)
-            and self.calibration.wants(report.model)
-        )
-
-    def _estimate(self, text: str, model: str | None) -> tuple[int, str]:
-        """Tokens in ``text`` and how they were counted."""
-        if self.tokenizer is not estimate_tokens:
-            return self.tokenizer(text), "estimated with the tokenizer given"
-        calibrated = self.calibration.ratio(model)
-        if calibrated is None:
-            return estimate_tokens(text), "estimated at 4 characters per token"
-        ratio, answers = calibrated
-        return max(1, round(len(text) / ratio)), (
-            f"estimated at {ratio:.2f} characters per token, calibrated on {answers} "
-            f"answer(s) of {model}"
-        )
-
-    def _counts(
-        self,
-        tee: _Tee,
-        state: RequestState | None,
-        report: Any,
-        text: str,
-        estimate: int | None,
-        notes: list[str],
-    ) -> tuple[int | None, int | None, str]:
-        """(input tokens, output tokens, their source): the provider's, else estimated from
-        the text produced and the prompt sent upstream (how, in ``notes``); a complete
-        answer with the provider's counts teaches the calibration."""
-        input_tokens, output_tokens = report.input_tokens, report.output_tokens
-        usage_source = report.usage_source
-        if usage_source == "provider" and output_tokens and text and report.terminal_marker_seen:
-            self.calibration.learn(
-                report.model, len(text), output_tokens - (report.reasoning_tokens or 0)
-            )
-        if output_tokens is None and text:
-            if estimate is not None:
-                output_tokens, how = estimate, "estimated with the tokenizer given"
-            else:
-                output_tokens, how = self._estimate(text, report.model)
-            usage_source = "estimated"
-            notes.append(how)
-        if (
-            input_tokens is None
-            and state is not None
-            and state.request_body is not None
-            and (tee.status_code or 0) < 400  # a refusal bills no input
-        ):
-            # The provider's usage never came (a cancel): the prompt the app sent upstream.
-            prompt = prompt_text(state.request_body)
-            if prompt:
-                input_tokens, how = self._estimate(prompt, report.model)
-                usage_source = "estimated"
-                if how not in notes:
-                    notes.append(how)
-        return input_tokens, output_tokens, usage_source
-
-    def _build(
-        self,
-        scope: Scope,
-        tee: _Tee,
-        state: RequestState | None,
-        report: Any,
-        estimate: int | None,
-    ) -> UsageRecord:
-        """The record; ``estimate``: the output tokens counted already (off the loop)."""
-        produced = tee.produced
-        delivered = tee.delivered
-        if delivered > produced:
-            delivered = produced
-        outcome, error_type = _outcome(tee, report)
-        upstream = state.upstream_usage if state is not None else None
-        if upstream is not None and report.usage_source != "provider":
-            # Asked of the provider for the record, kept from the client (open_stream).
-            report = msgspec.structs.replace(
-                report,
-                input_tokens=upstream.input_tokens,
-                output_tokens=upstream.output_tokens,
-                cache_read_tokens=upstream.cache_read_tokens,
-                reasoning_tokens=upstream.reasoning_tokens,
-                usage_source="provider",
-            )
-        # A stream left to its log has its text only if it was read whole.
-        text = report.text if tee.log is None or tee.within is not None else ""
-        notes: list[str] = []
-        input_tokens, output_tokens = report.input_tokens, report.output_tokens
-        usage_source = report.usage_source
-        if text or (input_tokens is None and state is not None and state.request_body):
-            # There is text to count or learn from, or a prompt to estimate.
-            input_tokens, output_tokens, usage_source = self._counts(
-                tee, state, report, text, estimate, notes
-            )
-        if tee.log is not None or report.skipped_events or tee._head is not None:
-            _unread(tee, report, output_tokens, usage_source, notes)
-        delivered_tokens = output_tokens
-        if output_tokens is not None and delivered < produced:
-            # Scale the count by the share of the output text that reached the client.
-            if text:
-                share = tee.text_chars_within(delivered) / len(text)
-            else:
-                share = delivered / max(produced, 1)
-            delivered_tokens = min(output_tokens, round(output_tokens * share))
-        return _record(
-            scope,
-            tee,
-            state,
-            report.provider_format,
-            report.model,
-            outcome,
-            input_tokens,
-            output_tokens,
-            usage_source,
-            delivered,
-            delivered_tokens,
-            report.finish_reason,
-            error_type,
-            report.cache_read_tokens,
-            report.reasoning_tokens,
-            "; ".join(notes) if notes else None,
-        )
-
-    def _unknown(self, scope: Scope, tee: _Tee, state: RequestState | None) -> UsageRecord:
-        """The one record of a response that could not be analysed: usage unknown."""
-        failure = tee.failure
-        return _record(
-            scope,
-            tee,
-            state,
-            tee.provider,
-            None,
-            _failed_outcome(tee) or "unknown",
-            None,
-            None,
-            "none",
-            min(tee.delivered, tee.produced),
-            None,
-            None,
-            type(failure).__name__ if failure is not None else None,
-            None,
-            None,
-            None,
-        )
+    async def drain(self, timeout: float) -> None:
+        """Wait for the queued emissions."""
+        task = self._task
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=timeout)
 
 
 class _Tee:
-    """The synchronous side of metering: a meter fed with every produced body byte."""
+    """One request's metering: every body byte the app produces, seen synchronously, and
+    when the exchange is over its usage record, made and emitted."""
 
     __slots__ = (
-        "_head",
-        "_json",
-        "_tail",
-        "chunks",
+        "counting",
         "direct",
+        "emitter",
         "ended",
         "failure",
         "first_event",
-        "is_event_stream",
-        "log",
+        "json",
         "mark",
-        "meter",
-        "metering",
         "outcome",
         "produced",
         "provider",
@@ -550,7 +451,7 @@ class _Tee:
         "started_at",
         "state",
         "status_code",
-        "within",
+        "stream",
     )
 
     def __init__(
@@ -560,10 +461,12 @@ class _Tee:
         started_at: float,
         started: float,
         state: RequestState | None,
-        metering: MeteringMiddleware,
+        counting: _Counting,
+        emitter: _Emitter,
     ) -> None:
         self.scope = scope
-        self.metering = metering
+        self.counting = counting
+        self.emitter = emitter
         self.reservation: Any = None
         self.outcome: Outcome | None = None  # DisconnectMiddleware's, when the exchange ends
         self.mark: str | bool | None = None  # what @metered says, read at the start
@@ -573,23 +476,15 @@ class _Tee:
         self.started_at = started_at
         self.started = started
         self.ended = started
-        self.meter: StreamMeter | None = None
+        self.stream: _EventStream | None = None
+        self.json: _HeldJson | None = None
         self.status_code: int | None = None
-        self.is_event_stream = False
         self.produced = 0
         self.first_event: float | None = None
         self.failure: BaseException | None = None
-        self.chunks: list[bytes] | None = None  # a JSON body, to read at the end
-        self._json = False
-        # Over _JSON_LIMIT: its first and last bytes only.
-        self._head: bytes | None = None
-        self._tail: bytearray | None = None
         # Seeing each message of the app right where DisconnectMiddleware logs it: an event
-        # stream may then be left to its log (``log``) after its first events.
+        # stream may then be left to its log after its first events.
         self.direct = False
-        self.log: GenerationOutput | None = None
-        # With ``log``: the characters of text in the events the client received, once read.
-        self.within: int | None = None
 
     def observe(self, message: Message) -> bool | None:
         """Read one message the app sends; True: metering needs no more of them (the
@@ -600,25 +495,84 @@ class _Tee:
             if not body:
                 return None
             self.produced += len(body)
-            meter = self.meter
-            if meter is not None:
+            stream = self.stream
+            if stream is not None:
+                meter = stream.meter
                 meter.feed(body)
                 if self.first_event is None and meter.event_count:
                     self._first_event()
                 if self.direct and meter.event_count >= _HEAD_EVENTS:
-                    return self._to_log()
-            elif self._json:
-                self._json_body(body)
+                    return stream.to_log(self.state)
+            elif self.json is not None:
+                self.json.add(body, self.produced)
         elif kind == "http.response.start":
             self._start(message)
         return None
 
     def over(self, outcome: Outcome) -> None:
-        """The exchange is over (``RequestState.on_end``): the record is made."""
+        """The exchange is over (``RequestState.on_end``): emit its record now when nothing
+        in it waits (no reservation to settle, a short text to count, sinks that return
+        nothing), else queue the emission for the emitter's task."""
         state = self.state
         assert state is not None
         self.outcome = outcome
-        self.metering._finished(self, state)
+        emitter = self.emitter
+        stream = self.stream
+        # At most how many characters of text the report holds: counted off the loop above
+        # _OFF_LOOP_TEXT (unless the count is the default's, a division).
+        if (
+            emitter.reservations is not None
+            or (stream.meter.text_chars if stream is not None else self.produced) > _OFF_LOOP_TEXT
+        ):
+            emitter.queue(self.emit())
+            return
+        if self.direct and state.generation is None and self.mark is None and self.status_code:
+            # DisconnectMiddleware found no LLM exchange in the response (by the rule that
+            # ``wanted`` applies): nothing to read, no record.
+            if state.usage_pending:
+                state.settle_usage(None)
+            return
+        try:
+            report = self.report()
+            if not self.wanted(report):
+                if state.usage_pending:
+                    state.settle_usage(None)
+                return
+            if stream is not None and self.wants_text(report):
+                if not stream.whole_in_memory():
+                    emitter.queue(self.emit())
+                    return
+                report = stream.read_log(self.produced, self.delivered, report)
+                if self.counting.custom and len(report.text) > _OFF_LOOP_TEXT:
+                    emitter.queue(self.emit(report))
+                    return
+            record = self.record(report, None)
+        except Exception:
+            logger.exception("analysing the response failed; its usage is recorded as unknown")
+            record = self.unknown_record()
+        emitter.emit(record, state, outcome)
+
+    async def emit(self, report: Any = None) -> None:
+        """Make the record, waiting for what it needs (the stream's text read back from
+        the store, a long text counted off the loop), and emit it."""
+        state = self.state
+        try:
+            if report is None:
+                report = self.report()
+                if self.reservation is None and not self.wanted(report):
+                    if state is not None:
+                        state.settle_usage(None)
+                    return
+                stream = self.stream
+                if state is not None and stream is not None and self.wants_text(report):
+                    report = await stream.read_stored(
+                        self.produced, self.delivered, report, state.log_store, state.generation_id
+                    )
+            record = self.record(report, await self.counting.off_loop(report))
+        except Exception:
+            logger.exception("analysing the response failed; its usage is recorded as unknown")
+            record = self.unknown_record()
+        await self.emitter.emit_waiting(record, state, self.outcome, self.reservation)
 
     @property
     def delivered(self) -> int:
@@ -633,22 +587,6 @@ class _Tee:
         if state is not None and state.marks is not None:
             state.note("first_event")
 
-    def _json_body(self, body: bytes) -> None:
-        """Hold a JSON body's message; past _JSON_LIMIT, its first and last bytes only."""
-        tail = self._tail
-        if tail is None:
-            chunks = self.chunks
-            if chunks is None:
-                self.chunks = [body]
-            else:
-                chunks.append(body)
-            if self.produced > _JSON_LIMIT:
-                self._bound_json()
-        else:
-            tail += body
-            if len(tail) > 2 * _JSON_TAIL:
-                del tail[: len(tail) - _JSON_TAIL]
-
     def _start(self, message: Message) -> None:
         """The response starts: what @metered says, and whether it is an event stream or
         JSON (anything else is no LLM response: metering steps aside)."""
@@ -661,80 +599,22 @@ class _Tee:
             self.provider = mark
         kind = content_kind(message.get("headers", ()))
         if kind == "event-stream":
-            self.is_event_stream = True
-            # With marks: a stream cut within its first events (the ones read as produced)
-            # needs them for the share its client received.
-            self.meter = StreamMeter(self.provider, marks=True)
+            self.stream = _EventStream(self.provider)
             if self.state is not None:
                 self.state.stream_ending = self.ending  # DisconnectMiddleware ends it by this
         elif kind == "json":
-            self._json = True
+            self.json = _HeldJson()
         elif mark is None:
             self._step_aside()
-
-    def _to_log(self) -> bool:
-        """Leave the rest of the stream to the generation log, if there is one."""
-        state = self.state
-        log = state.generation if state is not None else None
-        if log is None or log.frames_at is not None:
-            return False
-        self.log = log
-        return True
 
     def ending(self) -> str | None:
         """How the stream ended by its protocol (see ``StreamMeter.ending``); with a
         log, once its end is read."""
-        meter = self.meter
-        assert meter is not None
-        if self.log is not None:
-            self._read_end()
-        return meter.ending()
-
-    def _read_end(self) -> bool:
-        """Feed the meter the stream's end as its log keeps it (its last events, see
-        ``GenerationOutput.tail_start``), or all it did not read if that is less; False if
-        the log let those bytes go (the store has them: the record reads it whole)."""
-        log, meter = self.log, self.meter
-        assert log is not None
-        assert meter is not None
-        end = self.produced = log.output_size
-        fed = meter.bytes_fed
-        if end > fed:
-            start = min(max(fed, log.tail_start()), end)
-            if start < log.base:
-                return False
-            meter.jump(start - fed)
-            meter.feed(log.read_back(start, end))
-        return True
-
-    def whole_in_memory(self) -> bool:
-        log = self.log
-        return log is not None and log.base == 0
-
-    def whole_reader(self, delivered: int, light: Any) -> _WholeRead | _TextScan:
-        """A reader of the whole stream, fed its bytes in order (from the log, or from the
-        store that has what the log let go); ``light``: what its first events and its end
-        said. OpenAI chat and Anthropic text is found by a byte scan, the rest decoded."""
-        pattern = _TEXT_MEMBERS.get(light.provider_format)
-        if pattern is not None:
-            return _TextScan(pattern, light, self.produced, delivered)
-        return _WholeRead(StreamMeter(self.provider), self.produced, delivered)
-
-    def took(self, reader: _WholeRead | _TextScan, light: Any) -> Any:
-        """The report of a whole read (its text, and the text delivered: ``within``), or
-        ``light`` if the read did not reach the app's last byte."""
-        if reader.offset < reader.end:
-            return light
-        report = reader.report()
-        self.within = reader.within
-        return report
-
-    def _bound_json(self) -> None:
-        """The JSON body is too large to hold: keep its head and, from now on, its tail."""
-        body = b"".join(self.chunks or ())
-        self.chunks = None
-        self._head = body[:_JSON_HEAD]
-        self._tail = bytearray(body[-_JSON_TAIL:])
+        stream = self.stream
+        assert stream is not None
+        if stream.log is not None:
+            self.produced = stream.read_end()
+        return stream.meter.ending()
 
     def _step_aside(self) -> None:
         """No record for this response: stop observing it."""
@@ -749,26 +629,301 @@ class _Tee:
             return mark is not False
         if self.status_code is None:
             return self.failure is not None  # it ended before its response started
-        return self.is_event_stream or self.recognized
+        return self.stream is not None or self.recognized
 
     def report(self) -> Any:
-        meter = self.meter
-        if meter is not None:
-            if self.log is not None:
-                self._read_end()
-            return meter.report()
-        if self._json:
-            head, tail = self._head, self._tail
-            if head is not None and tail is not None:
-                report, self.recognized = _json_ends_report(
-                    head, bytes(tail[-_JSON_TAIL:]), self.provider
-                )
-                return report
-            chunks = self.chunks
-            body = b"" if chunks is None else chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            report, self.recognized = _json_report(body, self.provider, self.status_code)
+        stream = self.stream
+        if stream is not None:
+            if stream.log is not None:
+                self.produced = stream.read_end()
+            return stream.meter.report()
+        held = self.json
+        if held is not None:
+            report, self.recognized = held.report(self.provider, self.status_code)
             return report
         return analyze(b"", self.provider)
+
+    def wants_text(self, report: Any) -> bool:
+        """Whether the record needs the text of a stream left to its log: for an estimate,
+        the share delivered, or a calibration sample of a complete answer."""
+        stream = self.stream
+        if stream is None or stream.log is None:
+            return False
+        if report.output_tokens is None:  # an estimate, unless the provider's usage came aside
+            return self.state is None or self.state.upstream_usage is None
+        if self.delivered < self.produced:
+            return True  # the share delivered
+        return self.counting.wants_sample(report)
+
+    def record(self, report: Any, estimate: int | None) -> UsageRecord:
+        """The record; ``estimate``: the output tokens counted already (off the loop)."""
+        produced = self.produced
+        delivered = self.delivered
+        if delivered > produced:
+            delivered = produced
+        outcome, error_type = self.record_outcome(report)
+        state = self.state
+        upstream = state.upstream_usage if state is not None else None
+        if upstream is not None and report.usage_source != "provider":
+            report = _with_upstream(report, upstream)
+        stream = self.stream
+        left = stream is not None and stream.log is not None
+        # A stream left to its log has its text only if it was read whole.
+        text = "" if stream is not None and stream.text_unread else report.text
+        notes: list[str] = []
+        input_tokens, output_tokens = report.input_tokens, report.output_tokens
+        usage_source = report.usage_source
+        if text or (input_tokens is None and state is not None and state.request_body):
+            # There is text to count or learn from, or a prompt to estimate.
+            request_body = None
+            if state is not None and (self.status_code or 0) < 400:  # a refusal bills no input
+                request_body = state.request_body
+            input_tokens, output_tokens, usage_source = self.counting.counts(
+                report, text, estimate, request_body, notes
+            )
+        held = self.json
+        if left or report.skipped_events or (held is not None and held.bounded):
+            self._unread(report, output_tokens, usage_source, notes)
+        delivered_tokens = output_tokens
+        if output_tokens is not None and delivered < produced:
+            # Scale the count by the share of the output text that reached the client.
+            if text:
+                within = stream.text_chars_within(delivered) if stream is not None else 0
+                share = within / len(text)
+            else:
+                share = delivered / max(produced, 1)
+            delivered_tokens = min(output_tokens, round(output_tokens * share))
+        return self._usage_record(
+            outcome,
+            error_type,
+            delivered,
+            provider=report.provider_format,
+            model=report.model,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            usage_source=usage_source,
+            delivered_tokens=delivered_tokens,
+            finish_reason=report.finish_reason,
+            cache_read_tokens=report.cache_read_tokens,
+            reasoning_tokens=report.reasoning_tokens,
+            note="; ".join(notes) if notes else None,
+        )
+
+    def unknown_record(self) -> UsageRecord:
+        """The one record of a response that could not be analysed: usage unknown."""
+        failure = self.failure
+        return self._usage_record(
+            self._failed_outcome() or "unknown",
+            type(failure).__name__ if failure is not None else None,
+            min(self.delivered, self.produced),
+            provider=self.provider,
+        )
+
+    def _usage_record(
+        self,
+        outcome: str,
+        error_type: str | None,
+        delivered: int,
+        *,
+        provider: str | None,
+        model: str | None = None,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        usage_source: str = "none",
+        delivered_tokens: int | None = None,
+        finish_reason: str | None = None,
+        cache_read_tokens: int | None = None,
+        reasoning_tokens: int | None = None,
+        note: str | None = None,
+    ) -> UsageRecord:
+        """The record: what the request was, whatever its body said, and what it cost."""
+        scope, state = self.scope, self.state
+        path = getattr(scope.get("route"), "path", None)
+        ended = self.outcome  # None without DisconnectMiddleware
+        policy = ended.policy if ended is not None else None
+        return UsageRecord(
+            generation_id=state.generation_id if state is not None else None,
+            principal=state.principal if state is not None else None,
+            method=scope["method"],
+            route=path or scope["path"],
+            status_code=self.status_code,
+            provider=provider,
+            model=model,
+            outcome=outcome,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            usage_source=usage_source,
+            produced_bytes=self.produced,
+            delivered_bytes=delivered,
+            produced_output_tokens=output_tokens,
+            delivered_output_tokens=delivered_tokens,
+            time_to_first_event=self.first_event,
+            duration=self.ended - self.started,
+            finish_reason=finish_reason,
+            error_type=error_type,
+            started_at=self.started_at,
+            cache_read_tokens=cache_read_tokens,
+            reasoning_tokens=reasoning_tokens,
+            policy=policy.value if policy is not None else None,
+            detached=ended.detached if ended is not None else False,
+            delivery=ended.delivery if ended is not None else "sent",
+            usage_note=note,
+        )
+
+    def record_outcome(self, report: Any) -> tuple[str, str | None]:
+        """How the request ended, for its record, and its error type if it failed."""
+        failure = self.failure
+        outcome = self._failed_outcome()
+        if outcome is None:
+            if report.error is not None:
+                outcome = "error"
+            elif report.terminal_marker_seen:
+                outcome = "complete"
+            else:
+                outcome = "truncated"
+        error_type = report.error_type
+        if (
+            error_type is None
+            and failure is not None
+            and not isinstance(failure, asyncio.CancelledError)
+        ):
+            error_type = getattr(failure, "error_type", None) or type(failure).__name__
+        return outcome, error_type
+
+    def _failed_outcome(self) -> str | None:
+        """``cancelled``, ``interrupted`` or ``error`` when the exchange says so, else None."""
+        failure = self.failure
+        if failure is None:
+            return "error" if (self.status_code or 0) >= 400 else None
+        if isinstance(failure, asyncio.CancelledError):
+            ended = self.outcome
+            policy = ended.policy if ended is not None else None
+            return "cancelled" if policy is Policy.CANCEL else "interrupted"
+        if getattr(failure, "error_type", None) == "truncated_stream":
+            return "truncated"  # asgi_disconnect.upstream.TruncatedStream
+        return "error"
+
+    def _unread(
+        self, report: Any, output_tokens: int | None, usage_source: str, notes: list[str]
+    ) -> None:
+        """Say in ``notes`` what metering could not read."""
+        stream = self.stream
+        if output_tokens is None and stream is not None and stream.text_unread:
+            notes.append("the stream's text could not be read back from the store")
+        skipped = report.skipped_events
+        if skipped:
+            notes.append(f"{skipped} event(s) over the meter's window were not read")
+        held = self.json
+        if held is not None and held.bounded and usage_source == "none":
+            notes.append("a JSON body over 4 MiB, read by its ends: no usage there")
+
+
+class _EventStream:
+    """An event stream as metering reads it: its first events as they are produced; under
+    DisconnectMiddleware, the rest from the generation log (``log``), its end when the
+    exchange is over, and the whole only when the record needs its text."""
+
+    __slots__ = ("log", "meter", "provider", "within")
+
+    def __init__(self, provider: str | None) -> None:
+        self.provider = provider
+        # With marks: a stream cut within its first events (the ones read as produced)
+        # needs them for the share its client received.
+        self.meter = StreamMeter(provider, marks=True)
+        self.log: GenerationOutput | None = None
+        # With ``log``: the characters of text in the events the client received, once read.
+        self.within: int | None = None
+
+    def to_log(self, state: RequestState | None) -> bool:
+        """Leave the rest of the stream to the request's generation log, if it has one."""
+        log = state.generation if state is not None else None
+        if log is None or log.frames_at is not None:
+            return False
+        self.log = log
+        return True
+
+    def read_end(self) -> int:
+        """Feed the meter the stream's end as its log keeps it (its last events, see
+        ``GenerationOutput.tail_start``), or all it did not read if that is less, unless the
+        log let those bytes go (the store has them: the record reads it whole); the bytes
+        the app produced."""
+        log, meter = self.log, self.meter
+        assert log is not None
+        end = log.output_size
+        fed = meter.bytes_fed
+        if end > fed:
+            start = min(max(fed, log.tail_start()), end)
+            if start < log.base:
+                return end
+            meter.jump(start - fed)
+            meter.feed(log.read_back(start, end))
+        return end
+
+    def whole_in_memory(self) -> bool:
+        log = self.log
+        return log is not None and log.base == 0
+
+    @property
+    def text_unread(self) -> bool:
+        """Left to its log, and not read whole (its text is not known)."""
+        return self.log is not None and self.within is None
+
+    def read_log(self, produced: int, delivered: int, light: Any) -> Any:
+        """The whole stream's report, read from its log (all of it in memory)."""
+        log = self.log
+        assert log is not None
+        reader = self._reader(produced, delivered, light)
+        for piece in log.pieces():
+            if not reader.feed(piece):
+                break
+        return self._took(reader, light)
+
+    async def read_stored(
+        self,
+        produced: int,
+        delivered: int,
+        light: Any,
+        store: LogStore | None,
+        generation_id: str,
+    ) -> Any:
+        """The whole stream's report, read from the log and the store that has what it let
+        go; ``light`` (what its first events and its end said) if the store cannot give it."""
+        if self.whole_in_memory():
+            return self.read_log(produced, delivered, light)
+        reader = self._reader(produced, delivered, light)
+        try:
+            async with asyncio.timeout(_STORED_READ_TIMEOUT):
+                if store is not None:
+                    async for piece in store.follow(generation_id, 0):
+                        if not reader.feed(piece):
+                            break
+        except Exception as exc:
+            logger.warning(
+                "generation %s: its text could not be read back from the store (%s); its "
+                "record has no estimate",
+                generation_id,
+                exc,
+            )
+            return light
+        return self._took(reader, light)
+
+    def _reader(self, produced: int, delivered: int, light: Any) -> _WholeRead | _TextScan:
+        """A reader of the whole stream, fed its bytes in order (from the log, or from the
+        store that has what the log let go); ``light``: what its first events and its end
+        said. OpenAI chat and Anthropic text is found by a byte scan, the rest decoded."""
+        pattern = _TEXT_MEMBERS.get(light.provider_format)
+        if pattern is not None:
+            return _TextScan(pattern, light, produced, delivered)
+        return _WholeRead(StreamMeter(self.provider), produced, delivered)
+
+    def _took(self, reader: _WholeRead | _TextScan, light: Any) -> Any:
+        """The report of a whole read (its text, and the text delivered: ``within``), or
+        ``light`` if the read did not reach the app's last byte."""
+        if reader.offset < reader.end:
+            return light
+        report = reader.report()
+        self.within = reader.within
+        return report
 
     def text_chars_within(self, size: int) -> int:
         """Characters of output text in the events that ended within the first ``size``
@@ -776,8 +931,51 @@ class _Tee:
         1 MiB, where the text of that chunk counts as not delivered."""
         if self.log is not None:
             return self.within or 0
-        meter = self.meter
-        return 0 if meter is None else meter.text_chars_within(size)
+        return self.meter.text_chars_within(size)
+
+
+class _HeldJson:
+    """A JSON response body as metering holds it until the record is made: whole up to
+    _JSON_LIMIT, past it its first _JSON_HEAD and last _JSON_TAIL bytes."""
+
+    __slots__ = ("chunks", "head", "tail")
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] | None = []
+        self.head: bytes | None = None
+        self.tail: bytearray | None = None
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the body outgrew _JSON_LIMIT (only its ends are held)."""
+        return self.head is not None
+
+    def add(self, body: bytes, produced: int) -> None:
+        """Hold the next message's ``body``; ``produced``: the body's size with it."""
+        tail = self.tail
+        if tail is None:
+            chunks = self.chunks
+            assert chunks is not None
+            chunks.append(body)
+            if produced > _JSON_LIMIT:
+                # Too large to hold: keep its head and, from now on, its tail.
+                whole = b"".join(chunks)
+                self.chunks = None
+                self.head = whole[:_JSON_HEAD]
+                self.tail = bytearray(whole[-_JSON_TAIL:])
+        else:
+            tail += body
+            if len(tail) > 2 * _JSON_TAIL:
+                del tail[: len(tail) - _JSON_TAIL]
+
+    def report(self, provider: str | None, status: int | None) -> tuple[Any, bool]:
+        """What the body said, and whether it is an LLM API's (see ``_json_report``)."""
+        head, tail = self.head, self.tail
+        if head is not None and tail is not None:
+            return _json_ends_report(head, bytes(tail[-_JSON_TAIL:]), provider)
+        chunks = self.chunks
+        body = b"" if not chunks else chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return _json_report(body, provider, status)
 
 
 class _WholeRead:
@@ -894,43 +1092,17 @@ class _TextScan:
         return msgspec.structs.replace(self.light, text="".join(self._texts))
 
 
-def _read_log(tee: _Tee, delivered: int, light: Any) -> Any:
-    """The whole stream's report, read from its log (all of it in memory)."""
-    log = tee.log
-    assert log is not None
-    reader = tee.whole_reader(delivered, light)
-    for piece in log.pieces():
-        if not reader.feed(piece):
-            break
-    return tee.took(reader, light)
-
-
-# How long a record waits for the store to give back a stream's bytes its log let go.
-_STORED_READ_TIMEOUT = 30.0
-
-
-async def _read_stored(tee: _Tee, state: RequestState, light: Any) -> Any:
-    """The whole stream's report, read from the log and the store that has what it let go;
-    ``light`` (what its first events and its end said) if the store cannot give it."""
-    if tee.whole_in_memory():
-        return _read_log(tee, tee.delivered, light)
-    store = state.log_store
-    reader = tee.whole_reader(tee.delivered, light)
-    try:
-        async with asyncio.timeout(_STORED_READ_TIMEOUT):
-            if store is not None:
-                async for piece in store.follow(state.generation_id, 0):
-                    if not reader.feed(piece):
-                        break
-    except Exception as exc:
-        logger.warning(
-            "generation %s: its text could not be read back from the store (%s); its "
-            "record has no estimate",
-            state.generation_id,
-            exc,
-        )
-        return light
-    return tee.took(reader, light)
+def _with_upstream(report: Any, upstream: Any) -> Any:
+    """``report`` with the usage asked of the provider for the record and kept from the
+    client (``open_stream``)."""
+    return msgspec.structs.replace(
+        report,
+        input_tokens=upstream.input_tokens,
+        output_tokens=upstream.output_tokens,
+        cache_read_tokens=upstream.cache_read_tokens,
+        reasoning_tokens=upstream.reasoning_tokens,
+        usage_source="provider",
+    )
 
 
 async def _awaited(result: Awaitable[object], record: UsageRecord) -> None:
@@ -1182,151 +1354,6 @@ def _json_ends_report(head: bytes, tail: bytes, provider: str | None) -> tuple[A
         model=fields.get("model"),
     )
     return report, fmt is not provider or reported
-
-
-_RECORD_FIELDS = (
-    "generation_id",
-    "principal",
-    "method",
-    "route",
-    "status_code",
-    "provider",
-    "model",
-    "outcome",
-    "input_tokens",
-    "output_tokens",
-    "usage_source",
-    "produced_bytes",
-    "delivered_bytes",
-    "produced_output_tokens",
-    "delivered_output_tokens",
-    "time_to_first_event",
-    "duration",
-    "finish_reason",
-    "error_type",
-    "started_at",
-    "cache_read_tokens",
-    "reasoning_tokens",
-    "policy",
-    "detached",
-    "delivery",
-    "usage_note",
-)
-if UsageRecord.__struct_fields__ != _RECORD_FIELDS:  # _record builds one in this order
-    raise RuntimeError(f"UsageRecord's fields moved: {UsageRecord.__struct_fields__}")
-
-
-def _record(
-    scope: Scope,
-    tee: _Tee,
-    state: RequestState | None,
-    provider: str | None,
-    model: str | None,
-    outcome: str,
-    input_tokens: int | None,
-    output_tokens: int | None,
-    usage_source: str,
-    delivered: int,
-    delivered_tokens: int | None,
-    finish_reason: str | None,
-    error_type: str | None,
-    cache_read_tokens: int | None,
-    reasoning_tokens: int | None,
-    note: str | None,
-) -> UsageRecord:
-    """The record: what the request was, whatever its body said, and what it cost."""
-    route = scope.get("route")
-    path = getattr(route, "path", None)
-    generation_id: str | None
-    principal: str | None
-    policy: str | None
-    if state is not None:
-        generation_id, principal = state.generation_id, state.principal
-        ended = tee.outcome
-        if ended is not None:
-            detached, delivery = ended.detached, ended.delivery
-            policy = ended.policy.value if ended.policy is not None else None
-        else:
-            detached, delivery, policy = False, "sent", None
-    else:
-        generation_id = principal = policy = None
-        detached, delivery = False, "sent"
-    return UsageRecord(
-        generation_id,
-        principal,
-        scope["method"],
-        path or scope["path"],
-        tee.status_code,
-        provider,
-        model,
-        outcome,
-        input_tokens,
-        output_tokens,
-        usage_source,
-        tee.produced,
-        delivered,
-        output_tokens,
-        delivered_tokens,
-        tee.first_event,
-        tee.ended - tee.started,
-        finish_reason,
-        error_type,
-        tee.started_at,
-        cache_read_tokens,
-        reasoning_tokens,
-        policy,
-        detached,
-        delivery,
-        note,
-    )
-
-
-def _outcome(tee: _Tee, report: Any) -> tuple[str, str | None]:
-    """How the request ended, and its error type if it failed."""
-    failure = tee.failure
-    outcome = _failed_outcome(tee)
-    if outcome is None:
-        if report.error is not None:
-            outcome = "error"
-        elif report.terminal_marker_seen:
-            outcome = "complete"
-        else:
-            outcome = "truncated"
-    error_type = report.error_type
-    if (
-        error_type is None
-        and failure is not None
-        and not isinstance(failure, asyncio.CancelledError)
-    ):
-        error_type = getattr(failure, "error_type", None) or type(failure).__name__
-    return outcome, error_type
-
-
-def _unread(
-    tee: _Tee, report: Any, output_tokens: int | None, usage_source: str, notes: list[str]
-) -> None:
-    """Say in ``notes`` what metering could not read."""
-    if output_tokens is None and tee.log is not None and tee.within is None:
-        notes.append("the stream's text could not be read back from the store")
-    skipped = report.skipped_events
-    if skipped:
-        notes.append(f"{skipped} event(s) over the meter's window were not read")
-    if tee._head is not None and usage_source == "none":  # a bounded JSON body
-        notes.append("a JSON body over 4 MiB, read by its ends: no usage there")
-
-
-def _failed_outcome(tee: _Tee) -> str | None:
-    """``cancelled``, ``interrupted`` or ``error`` when the exchange says so, else None."""
-    failure = tee.failure
-    if failure is None:
-        return "error" if (tee.status_code or 0) >= 400 else None
-    if isinstance(failure, asyncio.CancelledError):
-        ended = tee.outcome
-        policy = ended.policy if ended is not None else None
-        return "cancelled" if policy is not None and policy.value == "cancel" else "interrupted"
-    if getattr(failure, "error_type", None) == "truncated_stream":
-        return "truncated"  # asgi_disconnect.upstream.TruncatedStream
-    return "error"
 
 
 def _dict(value: object) -> dict[str, Any]:

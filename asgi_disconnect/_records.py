@@ -70,7 +70,7 @@ class Claim(msgspec.Struct, frozen=True, kw_only=True):
     generation_id: str | None = None
 
 
-class UsageRecord(msgspec.Struct, frozen=True):
+class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     """What one request cost and what its client got.
 
     ``outcome`` is ``complete`` (the protocol's terminal marker arrived), ``truncated``
@@ -88,8 +88,7 @@ class UsageRecord(msgspec.Struct, frozen=True):
     could not read (an event over its window, a JSON body over 4 MiB without usage at its
     end); None when the provider's counts are the record's.
 
-    Build it with keywords: metering builds one per request positionally, in the order
-    of its fields (26 keywords cost ten times as much to match), checked at import.
+    Keyword-only: ``UsageRecord(generation_id=..., principal=..., ...)``.
     """
 
     generation_id: str | None
