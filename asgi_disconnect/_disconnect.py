@@ -14,7 +14,6 @@ in one place, ``Outcome.app_ended`` (``_outcome.py``), whichever task ran the ap
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import math
 import re
@@ -35,8 +34,8 @@ from ._contract import (
 )
 from ._frames import DRAINED
 from ._lifecycle import lifecycle_of
-from ._outbound import Outbound
-from ._outcome import Outcome
+from ._outbound import Outbound, ResponseOptions
+from ._outcome import AppEnd, Counters, Outcome
 from ._policy import Policy, PolicySource, check_source, resolve_policy, route_policy
 from ._problem import send_problem
 from ._reader import RequestReader
@@ -45,10 +44,11 @@ from ._resume import (
     ResumeEndpoints,
     redact_tokens_in_access_logs,
 )
+from ._states import CLIENT_MOVES, CLIENT_OF_REASON, MOVES, Client, Delivery, Stage, moved
 from ._supervisor import Supervisor
 from ._transport import SUPPORTED as _TRANSPORT_SUPPORTED
 from ._transport import TransportMonitor, tune_listeners
-from ._writer import ClientWriter, Delivery, LagClock
+from ._writer import ClientWriter, LagClock
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from ._contract import Backend
     from ._lifecycle import Lifecycle
 
-__all__ = ["Counters", "DisconnectMiddleware"]
+__all__ = ["DisconnectMiddleware"]
 
 
 logger = logging.getLogger("asgi_disconnect")
@@ -72,73 +72,8 @@ READ_BACK_PAST = 16 << 10
 # When to look again for the server's listening sockets after startup: uvicorn binds after
 # the lifespan startup, granian replaces a placeholder, within a few milliseconds.
 _LISTENER_SCANS = (0.01, 0.05, 0.25, 1.0, 3.0)
-# Enum members read on hot paths, bound once (a member lookup costs ~50 ns).
-_DONE = Delivery.DONE
-_ENDING_DELIVERED = Ending.DELIVERED
-_STATUS_COMPLETE = Status.COMPLETE
 
 
-class Counters:
-    """In-process counts of disconnect decisions."""
-
-    __slots__ = (
-        "cancelled",
-        "detach_completed",
-        "detached",
-        "disconnects",
-        "drained",
-        "interrupted",
-        "policy_errors",
-        "stopped",
-    )
-
-    def __init__(self) -> None:
-        self.disconnects = 0
-        self.cancelled = 0
-        self.detached = 0
-        self.detach_completed = 0
-        self.interrupted = 0
-        self.drained = 0
-        self.policy_errors = 0
-        self.stopped = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.__slots__}
-
-
-class Stage(enum.Enum):
-    """Where one request's exchange stands; ``MOVES`` lists the moves it allows."""
-
-    # Members are unique: hashed by identity, in C (Enum's own hash is Python code).
-    __hash__ = object.__hash__
-
-    RUNNING = "running"
-    """The app runs; its client is there (or its response went whole)."""
-    DETACHED = "detached"
-    """The client left and the route detaches: the app runs on, owned by the process."""
-    CANCELLING = "cancelling"
-    """The app is being cancelled: its client left under cancel, its owner stopped it, a
-    drain's deadline came, the server refused a send or cancelled the request."""
-    SETTLING = "settling"
-    """The app is over; the client's TCP has yet to acknowledge the rest it was handed."""
-    ENDED = "ended"
-    """The outcome is published (``RequestState.finish``); a Stop no longer reaches it."""
-
-
-_RUNNING = Stage.RUNNING
-_DETACHED = Stage.DETACHED
-_CANCELLING = Stage.CANCELLING
-_SETTLING = Stage.SETTLING
-_ENDED = Stage.ENDED
-
-MOVES: dict[Stage, frozenset[Stage]] = {
-    _RUNNING: frozenset({_DETACHED, _CANCELLING, _SETTLING, _ENDED}),
-    _DETACHED: frozenset({_CANCELLING, _SETTLING, _ENDED}),
-    _CANCELLING: frozenset({_SETTLING, _ENDED}),
-    _SETTLING: frozenset({_ENDED}),
-    _ENDED: frozenset(),
-}
-"""Each stage's next stages; any other move is a bug, raised naming both stages."""
 
 
 class DisconnectMiddleware:
@@ -225,6 +160,16 @@ class DisconnectMiddleware:
         self._listeners_found = self.transport is None
         self._scans: list[asyncio.TimerHandle] = []  # the listener scans after startup
         self.counters = Counters()
+        # What each request's response side needs of the middleware, read once.
+        self.options = ResponseOptions(
+            backend=backend,
+            chooses_policy=callable(self.policy),
+            max_lag_bytes=max_lag_bytes,
+            keep_alive=keep_alive,
+            reads_back=self.reads_back,
+            transport=self.transport,
+            lag_clock=self.lag_clock,
+        )
         self.supervisor = Supervisor()
         self.lifecycle: Lifecycle | None = None
         self._resume = ResumeEndpoints(
@@ -574,6 +519,7 @@ class _Exchange:
         "app_error",
         "app_run",
         "app_task",
+        "client",
         "decider",
         "mw",
         "out",
@@ -600,7 +546,7 @@ class _Exchange:
         self.state = state
         reader = self.reader = RequestReader(receive, self)
         # The response, as the app sends it: its log, its writer, its delivery.
-        self.out = Outbound(mw, self, scope, send, state, reader)
+        self.out = Outbound(mw.options, self, scope, send, state, reader)
         self.request_task: asyncio.Task[Any] | None = None
         self.app_task: asyncio.Task[None] | None = None
         self.app_run: _AppRun | None = None  # the app in a task of its own (supervised)
@@ -612,31 +558,30 @@ class _Exchange:
         self.decider: asyncio.Task[None] | None = None
         # How the app ended, and what that makes of its generation.
         self.outcome = Outcome(self.out, state, mw.counters)
-        self.stage = _RUNNING
+        self.stage = Stage.RUNNING
+        self.client = Client.CONNECTED
 
     def move(self, to: Stage) -> None:
         """Move the exchange on; a move ``MOVES`` does not allow raises, naming both."""
-        if to not in MOVES[self.stage]:
-            raise RuntimeError(f"the exchange cannot go from {self.stage.value} to {to.value}")
-        self.stage = to
+        self.stage = moved(MOVES, self.stage, to)
 
     def _finish(self) -> None:
         """The exchange is over: the app ended and nothing more is delivered."""
         state = self.state
         if (
-            self.out.delivery is _DONE
+            self.out.delivery is Delivery.DONE
             and self.out.writer is None
-            and self.outcome.app == "returned"
+            and self.outcome.app is AppEnd.RETURNED
             and not state.detached
         ):
-            self._end(_ENDING_DELIVERED)  # a response sent in one piece
+            self._end(Ending.DELIVERED)  # a response sent in one piece
             return
         stage = self.stage
-        if stage is _SETTLING or stage is _ENDED:
+        if stage is Stage.SETTLING or stage is Stage.ENDED:
             return
         self.out.stop_keep_alive()
         generation = self.out.generation
-        if state.detached and generation is not None and generation.status is _STATUS_COMPLETE:
+        if state.detached and generation is not None and generation.status is Status.COMPLETE:
             self.mw.counters.detach_completed += 1
         self._end(self.outcome.ending())
         writer = self.out.writer
@@ -648,16 +593,16 @@ class _Exchange:
         """Record how the exchange ended; a Stop no longer reaches it. A watched response
         ends once its client's TCP acknowledged what it was handed (or died, or closed)."""
         stage = self.stage
-        if stage is _SETTLING or stage is _ENDED:
+        if stage is Stage.SETTLING or stage is Stage.ENDED:
             return
         watched = self.out.watched
         if watched is not None and watched.settle(lambda: self._ended(ending)):
-            self.move(_SETTLING)
+            self.move(Stage.SETTLING)
             return
         self._ended(ending)
 
     def _ended(self, ending: Ending) -> None:
-        self.move(_ENDED)
+        self.move(Stage.ENDED)
         mw = self.mw
         if mw._running.pop(self.state.generation_id, None) is not None:
             mw._one_ended()
@@ -693,11 +638,7 @@ class _Exchange:
             if not await self.outcome.answer_failure(exc):
                 raise
         else:
-            generation = self.out.generation
-            if self.out.writer is None and (generation is None or not generation.running):
-                self.outcome.app = "returned"
-            else:
-                self.outcome.app_ended(None)
+            self.outcome.app_ended(None)
         finally:
             writer = self.out.writer
             await self._end_inline(writer)
@@ -730,10 +671,7 @@ class _Exchange:
                 # Cancelled, not waited for: a cancel scope around the request may be
                 # cancelling every await of it now, and the exchange must end regardless.
                 self.reader.halt()
-            if writer is None and self.out.delivery is _DONE and self.outcome.app == "returned":
-                self._end(_ENDING_DELIVERED)  # a response sent in one piece
-            else:
-                self._finish()
+            self._finish()
 
     # -- supervised: the app runs in the supervisor's task, the request task watches ---
 
@@ -773,7 +711,11 @@ class _Exchange:
                 return
         self._finish()
         drained = self.outcome.drained
-        if drained is not None and self.out.generation is None and not self.out.client_gone:
+        if (
+            drained is not None
+            and self.out.generation is None
+            and self.client is Client.CONNECTED
+        ):
             # A drain's deadline came before the app started its response: retry elsewhere.
             await send_problem(
                 self.out.send,
@@ -795,18 +737,18 @@ class _Exchange:
         # Cancelled by an anyio cancel scope around the request (a test client's, a
         # framework's), not once by the server.
         by_scope = anyio.current_effective_deadline() == -math.inf
-        self.out.client_left("client")
+        self.client_left("client", heard=False)
         if app_task.done():
             return
         stage = self.stage
-        if stage is _DETACHED:
+        if stage is Stage.DETACHED:
             if not self.mw.supervisor.started:
                 # Without the lifespan protocol the work ends with its request.
-                self.move(_CANCELLING)
+                self.move(Stage.CANCELLING)
                 app_task.cancel()
                 await _teardown(app_task)
             return
-        if stage is _RUNNING:
+        if stage is Stage.RUNNING:
             policy = self.mw.resolve(self.scope) if self.outcome.app is None else Policy.CANCEL
             if (
                 policy is Policy.DETACH
@@ -815,7 +757,7 @@ class _Exchange:
             ):
                 self._detach(policy)
                 return
-            self.move(_CANCELLING)
+            self.move(Stage.CANCELLING)
         # Not detached: stop the app and let its finally blocks run before we return.
         if by_scope and self.app_run is not None:
             # As bare, the app's awaits are cancelled until it returns, but for the ones
@@ -835,6 +777,32 @@ class _Exchange:
     def handed(self) -> bool:
         """The whole response went to the server."""
         return self.out.handed()
+
+    def client_left(self, reason: str, *, heard: bool = True) -> None:
+        """The one place where the client's state moves: it left (``client``), went silent,
+        lags (``lag``), or the server refused a send (``error``); reported by the watch, the
+        writer, the transport watch, the lag clock or the server's ``send``. What comes after
+        the first report changes nothing. Nothing more is sent to it, and the request's
+        state says it disconnected (``heard``; not when the server cancelled the request)."""
+        if self.client is not Client.CONNECTED:
+            return
+        self.client = moved(CLIENT_MOVES, self.client, CLIENT_OF_REASON[reason])
+        self.out.client_left(reason)
+        if heard and reason != "error":
+            state = self.state
+            state.disconnect_reason = reason
+            state.disconnected.set()
+            state.note("client_disconnect")
+            self.mw.counters.disconnects += 1
+        self.signal(reason)
+
+    def disconnected(self) -> None:
+        """The watch read ``http.disconnect``: the normal end once the response was handed
+        over, else a client that left."""
+        if self.handed():
+            self.signal("complete")
+        else:
+            self.client_left("client")
 
     def signal(self, reason: str) -> None:
         """Why the exchange must act now, the first of: the client disconnected
@@ -859,7 +827,7 @@ class _Exchange:
     def hears_disconnect(self) -> bool:
         """The app's next ``receive`` answers ``http.disconnect``: its response went whole,
         or its client left and it did not detach."""
-        return self.handed() or (self.out.client_gone and not self.state.detached)
+        return self.handed() or (self.client is not Client.CONNECTED and not self.state.detached)
 
     async def _join_writer(self) -> None:
         """Wait for the writer to hand over the rest, within the lag deadline."""
@@ -875,19 +843,13 @@ class _Exchange:
         (``error``): the route's policy applies, once."""
         mw = self.mw
         state = self.state
-        self.out.client_left(reason)
         runner = self.app_task or self.request_task
         assert runner is not None
-        if reason != "error":
-            state.disconnect_reason = reason
-            state.disconnected.set()
-            state.note("client_disconnect")
-            mw.counters.disconnects += 1
         if (
             runner.done()
             or self.outcome.app is not None
             or self.handed()
-            or self.stage is not _RUNNING
+            or self.stage is not Stage.RUNNING
         ):
             return  # over, or detached or cancelled already
         # A server that refused a send broke the response: the work stops as under cancel.
@@ -910,7 +872,7 @@ class _Exchange:
         if reason != "error":
             mw.counters.cancelled += 1
         state.note("cancelled")
-        self.move(_CANCELLING)
+        self.move(Stage.CANCELLING)
         self.outcome.cancelled_by_policy = True
         self._cancel(runner)
         if state.upstreams:
@@ -929,7 +891,7 @@ class _Exchange:
         runner = self._cancellable()
         if runner is None:
             return False
-        self.move(_CANCELLING)
+        self.move(Stage.CANCELLING)
         outcome = self.outcome
         outcome.stopped = outcome.cancelled_by_policy = True
         state = self.state
@@ -947,7 +909,7 @@ class _Exchange:
         runner = self._cancellable()
         if runner is None:
             return False
-        self.move(_CANCELLING)
+        self.move(Stage.CANCELLING)
         self.outcome.drained = retry_after
         self.outcome.interrupt_reason = DRAINED
         self.state.stopped_by = "drain"
@@ -960,7 +922,7 @@ class _Exchange:
         runner = self.app_task or self.request_task
         stage = self.stage
         if (
-            (stage is not _RUNNING and stage is not _DETACHED)
+            (stage is not Stage.RUNNING and stage is not Stage.DETACHED)
             or self.outcome.app is not None
             or runner is None
             or runner.done()
@@ -977,7 +939,7 @@ class _Exchange:
             self.mw.supervisor.spawn(state.close_upstreams())
 
     def _detach(self, policy: Policy) -> None:
-        self.move(_DETACHED)
+        self.move(Stage.DETACHED)
         state = self.state
         state.policy = policy
         state.detached = True

@@ -11,6 +11,7 @@ chunks produced before them.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._contract import METERED_ATTRIBUTE, content_kind
@@ -18,7 +19,8 @@ from ._frames import error_frame, is_event_stream
 from ._log import HOLD_CHECK, Generation
 from ._policy import route_policy
 from ._records import Status
-from ._writer import MESSAGE_BYTES, ClientWriter, Delivery
+from ._states import Client, Delivery
+from ._writer import MESSAGE_BYTES, ClientWriter
 from .metering import is_llm_json
 
 if TYPE_CHECKING:
@@ -26,12 +28,12 @@ if TYPE_CHECKING:
 
     from starlette.types import Message, Scope, Send
 
-    from ._contract import RequestState, StoreRoom
-    from ._disconnect import DisconnectMiddleware
+    from ._contract import Backend, RequestState, StoreRoom
     from ._reader import RequestReader
     from ._transport import ConnectionWatch, TransportMonitor
+    from ._writer import LagClock
 
-__all__ = ["Outbound"]
+__all__ = ["Outbound", "ResponseOptions"]
 
 _KEEP_ALIVE = b": keep-alive\n\n"
 _GENERATION_HEADER = b"x-generation-id"
@@ -54,6 +56,19 @@ def _ends(kind: str, message: Message) -> bool:
     return kind == "http.response.trailers" and not message.get("more_trailers", False)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResponseOptions:
+    """What the response side of every request needs of its middleware, read once."""
+
+    backend: Backend
+    chooses_policy: bool  # the middleware's policy is a callable: every response is a generation
+    max_lag_bytes: int
+    keep_alive: float | None
+    reads_back: int  # see Generation.reads_back
+    transport: TransportMonitor | None
+    lag_clock: LagClock
+
+
 class Owner(Protocol):
     """What the response side asks of the exchange that owns it."""
 
@@ -63,16 +78,24 @@ class Owner(Protocol):
         """A Stop or a drain reaches it under that id from now on."""
         ...
 
-    def signal(self, reason: str) -> None:
+    @property
+    def client(self) -> Client:
+        """Where the client stands: the exchange keeps it."""
+        ...
+
+    def client_left(self, reason: str) -> None:
         """The client is gone (``client``, ``silent``), lags, or the server refused."""
         ...
 
 
-def response_kind(scope: Scope, state: RequestState, policy: Any, message: Message) -> str:
-    """``generation`` when this request is one (its route chose a policy or metering, it
-    detached, or its response is an event stream), ``json`` when its body must tell, else
-    ``other``: not an LLM exchange, so nothing is written and no header added."""
-    if state.detached or route_policy(scope) is not None or callable(policy):
+def response_kind(
+    scope: Scope, state: RequestState, chooses_policy: bool, message: Message
+) -> str:
+    """``generation`` when this request is one (its route chose a policy or metering, the
+    middleware's policy is a callable, it detached, or its response is an event stream),
+    ``json`` when its body must tell, else ``other``: not an LLM exchange, so nothing is
+    written and no header added."""
+    if state.detached or chooses_policy or route_policy(scope) is not None:
         return "generation"
     endpoint = scope.get("endpoint") or getattr(scope.get("route"), "endpoint", None)
     if getattr(endpoint, METERED_ATTRIBUTE, None):
@@ -207,7 +230,9 @@ class _Over:
     def running_as(self, generation_id: str) -> None:
         pass
 
-    def signal(self, reason: str) -> None:
+    client = Client.GONE  # over: nothing more is sent
+
+    def client_left(self, reason: str) -> None:
         pass
 
 
@@ -219,7 +244,6 @@ class Outbound:
 
     __slots__ = (
         "body_ended",
-        "client_gone",
         "delivery",
         "expect_trailers",
         "generation",
@@ -228,8 +252,8 @@ class Outbound:
         "held_body",
         "hold",
         "keep_alive",
-        "mw",
         "observe",
+        "options",
         "owner",
         "passthrough",
         "reader",
@@ -243,14 +267,14 @@ class Outbound:
 
     def __init__(
         self,
-        mw: DisconnectMiddleware,
+        options: ResponseOptions,
         owner: Owner,
         scope: Scope,
         send: Send,
         state: RequestState,
         reader: RequestReader,
     ) -> None:
-        self.mw = mw  # its options, backend, transport, and the running exchanges
+        self.options = options
         self.owner = owner
         self.scope = scope
         self.send = send
@@ -268,7 +292,6 @@ class Outbound:
         self.held_body: list[Message] = []
         # Where the response stands while no writer exists (a response sent in one piece).
         self.delivery = _OPEN
-        self.client_gone = False
         self.body_ended = False
         self.expect_trailers = False
         self.trailers_ended = False  # a trailers message without more_trailers went
@@ -277,6 +300,11 @@ class Outbound:
         self.keep_alive: KeepAlive | None = None  # an event stream's, while it runs
         # The connection's transport, watched from the first body message (see _transport).
         self.watched: DeliveryWatch | None = None
+
+    @property
+    def client_gone(self) -> bool:
+        """Nothing more is sent to the client (its exchange says where it stands)."""
+        return self.owner.client is not Client.CONNECTED
 
     def handed(self) -> bool:
         """The whole response went to the server."""
@@ -302,7 +330,12 @@ class Outbound:
             more_body = message.get("more_body", False)
             writer = self.writer
             # 1048576 is MESSAGE_BYTES, as a constant: a global costs a lookup per chunk.
-            if writer is not None and more_body and 0 < size <= 1048576 and not self.client_gone:
+            if (
+                writer is not None
+                and more_body
+                and 0 < size <= 1048576
+                and self.owner.client is Client.CONNECTED
+            ):
                 # The hot path, one chunk of a stream: append it to the log (Generation.append,
                 # inlined) and hand it to the writer, or wait for a client far behind.
                 live: Generation = self.generation  # type: ignore[assignment]
@@ -316,10 +349,10 @@ class Outbound:
                         writer.hand_chunk(message, size, len(chunks))
                     elif (
                         not writer.take(message)
-                        and live.size - self.state.delivered_bytes > self.mw.max_lag_bytes
+                        and live.size - self.state.delivered_bytes > self.options.max_lag_bytes
                         and not live.reads_back
                     ):
-                        await writer.room(self.mw.max_lag_bytes // 2)
+                        await writer.room(self.options.max_lag_bytes // 2)
                     hold = self.hold  # the store may be behind (2097152 is HOLD_CHECK)
                     if hold is not None and live.size - live.base > 2097152:
                         await hold.room()
@@ -338,10 +371,10 @@ class Outbound:
             return
         writer.wake()
         if (
-            generation.size - self.state.delivered_bytes > self.mw.max_lag_bytes
+            generation.size - self.state.delivered_bytes > self.options.max_lag_bytes
             and not generation.reads_back
         ):
-            await writer.room(self.mw.max_lag_bytes // 2)
+            await writer.room(self.options.max_lag_bytes // 2)
 
     async def _body(
         self, message: Message, body: bytes, more_body: bool, writer: ClientWriter | None
@@ -411,7 +444,7 @@ class Outbound:
             raise RuntimeError("ASGI message 'http.response.start' sent twice")
         if message.get("trailers"):
             self.expect_trailers = True
-        kind_of = response_kind(self.scope, self.state, self.mw.policy, message)
+        kind_of = response_kind(self.scope, self.state, self.options.chooses_policy, message)
         if kind_of == "json":
             self.held = message  # its body decides
             return
@@ -477,7 +510,7 @@ class Outbound:
         await self._pass(self._start(message))
         if self.client_gone:
             return
-        interval = self.mw.keep_alive
+        interval = self.options.keep_alive
         if interval is not None and is_event_stream(self.generation.content_type):  # type: ignore[union-attr]
             self.keep_alive = KeepAlive(self, interval)
 
@@ -529,12 +562,12 @@ class Outbound:
             self.send,
             generation,
             self.state,
-            clock=self.mw.lag_clock,
+            clock=self.options.lag_clock,
             expect_trailers=self.expect_trailers,
             on_lost=self._writer_lost,
         )
         writer.start(self.owner.part_done)
-        transport = self.mw.transport
+        transport = self.options.transport
         if transport is not None:
             chunked = not any(name == b"content-length" for name, _ in self.head)
             loop = asyncio.get_running_loop()
@@ -549,8 +582,7 @@ class Outbound:
             self.writer.lost("silent")
 
     def _writer_lost(self, reason: str) -> None:
-        self.client_gone = True
-        self.owner.signal(reason)
+        self.owner.client_left(reason)
 
     def _start(self, message: Message) -> Message:
         """Open the generation; return the start message with ``x-generation-id`` added."""
@@ -569,9 +601,9 @@ class Outbound:
             generation.detached = state.detached
         # What the client has not received stays in memory, unless the store gives it back.
         generation.reader = state
-        generation.reads_back = self.mw.reads_back
+        generation.reads_back = self.options.reads_back
         self.generation = state.generation = generation
-        backend = state.log_store = self.mw.backend
+        backend = state.log_store = self.options.backend
         backend.register(generation)
         self.hold = generation.hold
         self.owner.running_as(generation.id)
@@ -580,9 +612,8 @@ class Outbound:
         return with_generation_id(message, state.generation_id)
 
     def client_left(self, reason: str) -> None:
-        """The client is gone (``client``, ``silent``), lags (``lag``), or the server
-        refused a send (``error``): nothing more is sent to it."""
-        self.client_gone = True
+        """The exchange heard that the client is gone (``client``, ``silent``), lags
+        (``lag``), or the server refused a send (``error``): nothing more is sent to it."""
         writer = self.writer
         if writer is not None:
             writer.lost(reason)
@@ -592,19 +623,16 @@ class Outbound:
         if watched is not None and reason == "client":
             watched.closed()  # the server says the client left: it acknowledges nothing more
 
-    def client_went_away(self, reason: str = "client") -> None:
+    def client_went_away(self) -> None:
         # Servers at ASGI spec 2.4+ raise OSError on send when the client is gone.
-        self.client_gone = True
-        if self.delivery is not _DONE:
-            self.delivery = _GONE
-        self.owner.signal(reason)
+        self.owner.client_left("client")
 
     async def _send_whole(self, message: Message, size: int) -> None:
         """Send the whole response, one message, from the producer's own task, judged by
         the lag rule while in flight: a client that stops reading (an HTTP/2 window that
         stays shut) is lagging then, and the policy applies to its request."""
         self.delivery = _FINAL
-        clock = self.mw.lag_clock
+        clock = self.options.lag_clock
         clock.begin(self)
         try:
             await self.send(message)
@@ -622,6 +650,4 @@ class Outbound:
     def lagging(self) -> None:
         """The lag clock: the whole response's send waited ``max_lag_seconds``."""
         if self.delivery is _FINAL:
-            self.delivery = _GONE
-            self.client_gone = True
-            self.owner.signal("lag")
+            self.owner.client_left("lag")

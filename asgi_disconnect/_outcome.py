@@ -10,6 +10,7 @@ frame for an event stream that did not complete, and the counters, in one place;
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from http import HTTPStatus
 from typing import TYPE_CHECKING
@@ -19,14 +20,13 @@ from ._errors import FirstTokenTimeout, IdleTimeout, UpstreamStatusError, Upstre
 from ._frames import STOPPED, error_frame, is_event_stream
 from ._problem import send_problem
 from ._records import Status
-from ._writer import Delivery
+from ._states import Delivery
 
 if TYPE_CHECKING:
     from ._contract import RequestState
-    from ._disconnect import Counters
     from ._outbound import Outbound
 
-__all__ = ["Outcome"]
+__all__ = ["AppEnd", "Counters", "Outcome"]
 
 logger = logging.getLogger("asgi_disconnect")
 
@@ -39,6 +39,43 @@ _ENDING_INTERRUPTED = Ending.INTERRUPTED
 _STATUS_CANCELLED = Status.CANCELLED
 _STATUS_FAILED = Status.FAILED
 _STATUS_INTERRUPTED = Status.INTERRUPTED
+
+
+class Counters:
+    """In-process counts of disconnect decisions."""
+
+    __slots__ = (
+        "cancelled",
+        "detach_completed",
+        "detached",
+        "disconnects",
+        "drained",
+        "interrupted",
+        "policy_errors",
+        "stopped",
+    )
+
+    def __init__(self) -> None:
+        self.disconnects = 0
+        self.cancelled = 0
+        self.detached = 0
+        self.detach_completed = 0
+        self.interrupted = 0
+        self.drained = 0
+        self.policy_errors = 0
+        self.stopped = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class AppEnd(enum.Enum):
+    """How the app of one exchange ended."""
+
+    RETURNED = "returned"
+    FAILED = "failed"  # it raised, or the server refused a send and it was stopped for it
+    CANCELLED = "cancelled"  # by the policy, or by its owner's Stop
+    INTERRUPTED = "interrupted"  # cancelled from outside: a drain, a shutdown, the server
 
 
 class Outcome:
@@ -59,9 +96,8 @@ class Outcome:
         self.out = out
         self.state = state
         self.counters = counters
-        # None while the app runs, then "returned", "failed", "cancelled" or "interrupted";
-        # written once, by app_ended.
-        self.app: str | None = None
+        # None while the app runs; written once, by app_ended.
+        self.app: AppEnd | None = None
         self.cancelled_by_policy = False  # the policy, a Stop: not a cancel from outside
         self.interrupt_reason = "interrupted before it finished"
         self.stopped = False  # its owner asked to stop it (POST .../cancel)
@@ -71,29 +107,29 @@ class Outcome:
         """Record how the app ended: the generation's status, then maybe the exchange's end."""
         generation = self.out.generation
         if failure is None:
-            self.app = "returned"
+            self.app = AppEnd.RETURNED
             if generation is not None and generation.running:
                 self.record_end(_STATUS_FAILED, "the app returned before its response was complete")
         elif isinstance(failure, asyncio.CancelledError):
             refused = self.out.writer.error if self.out.writer is not None else None
             if refused is not None:
                 # The server refused a send; the app was stopped for it.
-                self.app = "failed"
+                self.app = AppEnd.FAILED
                 self.record_end(_STATUS_FAILED, f"the server refused a send: {refused!r}"[:500])
             elif self.cancelled_by_policy:
-                self.app = "cancelled"
+                self.app = AppEnd.CANCELLED
                 if self.stopped:
                     self.record_end(_STATUS_CANCELLED, STOPPED, code="cancelled")
                 else:
                     self.record_end(_STATUS_CANCELLED, "cancelled after the client disconnected")
             else:
-                self.app = "interrupted"
+                self.app = AppEnd.INTERRUPTED
                 if generation is not None and generation.running:
                     self.counters.interrupted += 1
                 self.state.note("interrupted")
                 self.record_end(_STATUS_INTERRUPTED, self.interrupt_reason)
         else:
-            self.app = "failed"
+            self.app = AppEnd.FAILED
             self.failed(failure)
         writer = self.out.writer
         if writer is not None:
@@ -102,12 +138,12 @@ class Outcome:
     def ending(self) -> Ending:
         """How the exchange ended, once the app did and nothing more is delivered."""
         outcome = self.app
-        if outcome == "cancelled":
+        if outcome is AppEnd.CANCELLED:
             return _ENDING_CANCELLED
-        if outcome == "interrupted":
+        if outcome is AppEnd.INTERRUPTED:
             return _ENDING_INTERRUPTED
         writer = self.out.writer
-        if outcome == "failed" or (writer is not None and writer.error is not None):
+        if outcome is AppEnd.FAILED or (writer is not None and writer.error is not None):
             return _ENDING_FAILED
         generation = self.out.generation
         if generation is not None and generation.status is _STATUS_FAILED:

@@ -32,9 +32,8 @@ class Owner(Protocol):
         """The app's next ``receive`` answers ``http.disconnect``."""
         ...
 
-    def signal(self, reason: str) -> None:
-        """The client disconnected: ``complete`` once its response was handed over, else
-        ``client``."""
+    def disconnected(self) -> None:
+        """The watch read ``http.disconnect``."""
         ...
 
 
@@ -47,7 +46,7 @@ class _Over:
     def hears_disconnect(self) -> bool:
         return True
 
-    def signal(self, reason: str) -> None:
+    def disconnected(self) -> None:
         pass
 
 
@@ -142,8 +141,7 @@ class RequestReader:
                     self.taken_waiter = asyncio.get_running_loop().create_future()
                     await self.taken_waiter
             elif kind == "http.disconnect":
-                owner = self.owner
-                owner.signal("complete" if owner.handed() else "client")
+                self.owner.disconnected()
                 return
 
     async def take(self) -> Message:

@@ -22,13 +22,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import enum
 import logging
 import sys
 import types
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._aio import as_coroutine, wait_bounded
+from ._states import DELIVERY_MOVES, Delivery, moved
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from ._log import Generation
     from ._transport import ConnectionWatch
 
-__all__ = ["EAGER_SENDS", "ClientWriter", "Delivery", "LagClock"]
+__all__ = ["EAGER_SENDS", "ClientWriter", "LagClock"]
 
 logger = logging.getLogger("asgi_disconnect")
 
@@ -52,32 +52,12 @@ _Task = asyncio.Task
 _COROUTINE = types.CoroutineType
 
 
-class Delivery(enum.Enum):
-    """Where the response stands with the client: the writer's, or the response side's for a
-    response sent in one piece (no writer)."""
-
-    OPEN = "open"
-    """Started; more is to come."""
-    FINAL = "final"
-    """The message that ends the response is being handed to the server."""
-    DONE = "done"
-    """The whole response was handed to the server."""
-    GONE = "gone"
-    """The client left, lagged or the server refused a send: nothing more is sent."""
-
-
 # Enum members read on hot paths, bound once (a member lookup costs ~50 ns).
 _DONE = Delivery.DONE
 _FINAL = Delivery.FINAL
 _GONE = Delivery.GONE
 _OPEN = Delivery.OPEN
 
-_MOVES = {
-    _OPEN: frozenset({_FINAL, _DONE, _GONE}),
-    _FINAL: frozenset({_DONE, _GONE}),
-    _DONE: frozenset(),
-    _GONE: frozenset(),
-}
 
 # The largest body message the writer makes of chunks that wait: small enough that a
 # client's progress shows between messages, large enough to cost few sends.
@@ -173,9 +153,7 @@ class ClientWriter:
 
     def move(self, to: Delivery) -> None:
         """Move the response on; an impossible move is a bug, named by both states."""
-        if to not in _MOVES[self.delivery]:
-            raise RuntimeError(f"the response cannot go from {self.delivery.value} to {to.value}")
-        self.delivery = to
+        self.delivery = moved(DELIVERY_MOVES, self.delivery, to)
 
     # -- the producer's side ------------------------------------------------------------
 

@@ -15,8 +15,7 @@
 - the response side (``_outbound``, ``_outcome``, ``_writer``) frames an event stream with
   ``_frames`` and knows the upstream errors from ``_errors``: it imports neither the resume
   endpoints (``_resume``) nor ``upstream``;
-- the package has no import cycle but the one listed in ``ALLOWED_CYCLES`` while it is
-  being removed; a failure names each cycle as its chain;
+- the package has no import cycle; a failure names each cycle as its chain;
 - no module imports another library's private names (``x._y``, ``from x import _y``).
 
 Every import counts: relative or absolute, at module level, under ``if TYPE_CHECKING:``
@@ -59,10 +58,6 @@ LOW_MODULES = {"_records", "_errors", "_frames", "_llm_stream", "_adapters", "ss
 # DisconnectMiddleware's response side, below the exchange that serves the resume endpoints.
 RESPONSE_SIDE = {"_outbound", "_outcome", "_writer"}
 RESUME = "_resume"
-# The only import cycles allowed, each as the set of modules on it. The exchange, its
-# response side and its outcome import each other; that cycle is being removed, and then
-# this list is empty.
-ALLOWED_CYCLES: list[set[str]] = [{"_disconnect", "_outbound", "_outcome"}]
 
 Graph = dict[str, set[str]]
 
@@ -144,8 +139,6 @@ class Rule(NamedTuple):
     name: str
     sources: set[str]
     forbidden: set[str]
-    # Modules the chains do not go through.
-    around: frozenset[str] = frozenset()
 
 
 def violations(graph: Graph) -> list[str]:
@@ -190,14 +183,12 @@ def violations(graph: Graph) -> list[str]:
             "the response side imports _resume or upstream",
             full(RESPONSE_SIDE),
             full({RESUME, UPSTREAM}),
-            # Back up to the exchange is the allowed cycle, which the cycle test reports.
-            around=frozenset(full(set().union(*ALLOWED_CYCLES) - RESPONSE_SIDE)),
         )
     )
     found = []
     for rule in rules:
         for source in sorted(rule.sources & set(graph)):
-            for chain in chains(graph, source, rule.forbidden, rule.around):
+            for chain in chains(graph, source, rule.forbidden):
                 if not rule.forbidden & set(chain[1:-1]):  # else its first part is reported
                     found.append(f"{rule.name}: " + " -> ".join(map(short, chain)))
     return found
@@ -217,26 +208,14 @@ def cycles(graph: Graph) -> list[list[str]]:
     return [list(cycle) for cycle in sorted(found)]
 
 
-def allowed(cycle: list[str], allowances: Iterable[set[str]]) -> bool:
-    """Whether every module of ``cycle`` is on one of the ``allowances``."""
-    return any(set(map(short, cycle)) <= names for names in allowances)
-
-
 def test_the_import_graph_follows_the_architecture() -> None:
     broken = violations(import_graph())
     assert not broken, "imports against the architecture:\n" + "\n".join(broken)
 
 
 def test_the_package_has_no_import_cycle() -> None:
-    found = [cycle for cycle in cycles(import_graph()) if not allowed(cycle, ALLOWED_CYCLES)]
+    found = cycles(import_graph())
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(map(short, c)) for c in found)
-
-
-def test_each_allowed_cycle_is_still_there() -> None:
-    """A cycle that was removed comes off ``ALLOWED_CYCLES``, so it cannot come back."""
-    present = [set(map(short, cycle)) for cycle in cycles(import_graph())]
-    gone = [names for names in ALLOWED_CYCLES if not any(ring <= names for ring in present)]
-    assert not gone, f"no cycle among {gone} any more: take it off ALLOWED_CYCLES"
 
 
 def test_a_cycle_is_named_by_its_chain() -> None:
@@ -256,28 +235,11 @@ def test_a_cycle_is_named_by_its_chain() -> None:
     assert cycles(graph_of([("upstream", "_records"), ("_records", "_errors")])) == []
 
 
-def test_only_a_cycle_within_an_allowed_one_is_allowed() -> None:
-    allowances = [{"_disconnect", "_outbound", "_outcome"}]
-    graph = graph_of(
-        [
-            ("_disconnect", "_outbound"),
-            ("_outbound", "_disconnect"),
-            ("_outcome", "_outbound"),
-            ("_outbound", "_outcome"),
-            ("_outcome", "_writer"),
-            ("_writer", "_outcome"),
-        ]
-    )
-    assert [
-        " -> ".join(map(short, cycle)) for cycle in cycles(graph) if not allowed(cycle, allowances)
-    ] == ["_outcome -> _writer -> _outcome"]
-
-
 def test_every_named_module_exists() -> None:
     modules = set(module_names(ROOT))
     named = {name for names in MIDDLEWARES.values() for name in names} | CONTRACT_SIDE
     named |= {LIVE_LOG, UPSTREAM, RESUME} | POLICY_MODULES | METERING | LOW_MODULES
-    named |= RESPONSE_SIDE | set().union(*ALLOWED_CYCLES)
+    named |= RESPONSE_SIDE
     missing = {name for name in named if f"{PACKAGE}.{name}" not in modules}
     assert not missing, f"the rules name modules that are gone: {sorted(missing)}"
 
@@ -424,9 +386,9 @@ def test_a_broken_rule_names_its_chain() -> None:
             "the response side imports _resume or upstream: _outcome -> upstream",
         ),
         (
-            # Up to the exchange, which serves the resume endpoints: the allowed cycle's way.
+            # Up to the exchange, which serves the resume endpoints: a way round counts too.
             [("_outbound", "_disconnect"), ("_disconnect", "_resume")],
-            None,
+            "the response side imports _resume or upstream: _outbound -> _disconnect -> _resume",
         ),
     ],
 )
