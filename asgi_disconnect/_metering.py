@@ -1288,6 +1288,9 @@ _FIRST_STRING = {
 _USAGE_KEY = re.compile(rb'"(usage|usageMetadata)"\s*:\s*\{')
 
 
+_QUOTE, _BACKSLASH, _OPEN, _CLOSE = b'"\\{}'  # as bytes iterate: their values
+
+
 def _json_object_at(data: bytes, start: int) -> bytes | None:
     """The JSON object that opens at ``data[start]`` (a ``{``), by its brackets; None if it
     does not close within ``data``."""
@@ -1298,15 +1301,15 @@ def _json_object_at(data: bytes, start: int) -> bytes | None:
         if in_string:
             if escaped:
                 escaped = False
-            elif byte == 92:  # backslash
+            elif byte == _BACKSLASH:
                 escaped = True
-            elif byte == 34:
+            elif byte == _QUOTE:
                 in_string = False
-        elif byte == 34:
+        elif byte == _QUOTE:
             in_string = True
-        elif byte == 123:
+        elif byte == _OPEN:
             depth += 1
-        elif byte == 125:
+        elif byte == _CLOSE:
             depth -= 1
             if not depth:
                 return data[start : index + 1]
