@@ -29,7 +29,7 @@ from ._contract import (
 from ._errors import IdempotencyKeyRequired
 from ._lifecycle import lifecycle_of
 from ._problem import problem_body, send_problem
-from ._records import Claim, ClaimState, StoredResponse
+from ._records import Claim, ClaimState, Status, StoredResponse
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -797,7 +797,7 @@ class _ClaimedRequest:
                 # failure: not stored, so a retry runs again.
                 short = (
                     generation is not None
-                    and generation.status != "complete"
+                    and generation.status != Status.COMPLETE
                     and generation.status_code < 400  # an error answer is whole
                 )
                 # Stored before the last byte leaves: a client that retries the moment
@@ -822,7 +822,7 @@ class _ClaimedRequest:
             chunks = self.chunks
         if (
             generation is not None
-            and generation.status.value != "complete"
+            and generation.status != Status.COMPLETE
             and generation.status_code < 400
         ):
             status = None
@@ -852,7 +852,7 @@ class _ClaimedRequest:
         the response to store."""
         generation = state.generation
         chunks: list[bytes] | None = None
-        if generation is not None and generation.status.value == "complete":
+        if generation is not None and generation.status == Status.COMPLETE:
             store = state.log_store
             if generation.size > self.middleware.max_stored:
                 chunks = None

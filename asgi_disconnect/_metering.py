@@ -1150,37 +1150,35 @@ class _JsonBody(msgspec.Struct):
     choices: Any = msgspec.UNSET
     candidates: Any = msgspec.UNSET
 
+    def counts(self) -> tuple[int | None, int | None]:
+        """(input, output) tokens of its ``usage`` (or Gemini's ``usageMetadata``)."""
+        input_tokens = output_tokens = None
+        usage = self.usage
+        if type(usage) is dict:
+            input_tokens = _count(usage, "prompt_tokens", "input_tokens")
+            output_tokens = _count(usage, "completion_tokens", "output_tokens")
+        meta = self.usageMetadata
+        if type(meta) is dict:
+            if input_tokens is None:
+                input_tokens = _count(meta, "promptTokenCount")
+            if output_tokens is None:
+                output_tokens = _count(meta, "candidatesTokenCount")
+        return input_tokens, output_tokens
+
+    def finish_reason(self) -> str | None:
+        """The first choice's ``finish_reason``, else ``stop_reason``, else ``status``."""
+        choices = self.choices
+        finish = None
+        if type(choices) is list and choices and type(choices[0]) is dict:
+            finish = _text(choices[0].get("finish_reason"))
+        if not finish and self.stop_reason is not None:
+            finish = _text(self.stop_reason)
+        if not finish and self.status is not None:
+            finish = _text(self.status)
+        return finish
+
 
 _JSON_BODY = msgspec.json.Decoder(_JsonBody)
-
-
-def _json_counts(payload: _JsonBody) -> tuple[int | None, int | None]:
-    """(input, output) tokens of a JSON answer's ``usage`` (or Gemini's ``usageMetadata``)."""
-    input_tokens = output_tokens = None
-    usage = payload.usage
-    if type(usage) is dict:
-        input_tokens = _count(usage, "prompt_tokens", "input_tokens")
-        output_tokens = _count(usage, "completion_tokens", "output_tokens")
-    meta = payload.usageMetadata
-    if type(meta) is dict:
-        if input_tokens is None:
-            input_tokens = _count(meta, "promptTokenCount")
-        if output_tokens is None:
-            output_tokens = _count(meta, "candidatesTokenCount")
-    return input_tokens, output_tokens
-
-
-def _json_finish(payload: _JsonBody) -> str | None:
-    """The first choice's ``finish_reason``, else ``stop_reason``, else ``status``."""
-    choices = payload.choices
-    finish = None
-    if type(choices) is list and choices and type(choices[0]) is dict:
-        finish = _text(choices[0].get("finish_reason"))
-    if not finish and payload.stop_reason is not None:
-        finish = _text(payload.stop_reason)
-    if not finish and payload.status is not None:
-        finish = _text(payload.status)
-    return finish
 
 
 def _json_error_type(error: dict[str, Any]) -> str | None:
@@ -1199,7 +1197,7 @@ def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple
         payload = _JSON_BODY.decode(body)
     except msgspec.DecodeError:  # not JSON, or not an object
         return analyze(b"", provider), False
-    input_tokens, output_tokens = _json_counts(payload)
+    input_tokens, output_tokens = payload.counts()
     error = payload.error if type(payload.error) is dict else None
     kind = payload.object
     # Any JSON may be there: a member that is no string is no format.
@@ -1223,7 +1221,7 @@ def _json_report(body: bytes, provider: str | None, status: int | None) -> tuple
         input_tokens,
         output_tokens,
         "provider" if output_tokens is not None else "none",
-        _json_finish(payload),
+        payload.finish_reason(),
         payload.model if type(payload.model) is str else None,
     )
     return report, recognized
@@ -1288,6 +1286,9 @@ _FIRST_STRING = {
 _USAGE_KEY = re.compile(rb'"(usage|usageMetadata)"\s*:\s*\{')
 
 
+_QUOTE, _BACKSLASH, _OPEN, _CLOSE = b'"\\{}'  # as bytes iterate: their values
+
+
 def _json_object_at(data: bytes, start: int) -> bytes | None:
     """The JSON object that opens at ``data[start]`` (a ``{``), by its brackets; None if it
     does not close within ``data``."""
@@ -1298,15 +1299,15 @@ def _json_object_at(data: bytes, start: int) -> bytes | None:
         if in_string:
             if escaped:
                 escaped = False
-            elif byte == 92:  # backslash
+            elif byte == _BACKSLASH:
                 escaped = True
-            elif byte == 34:
+            elif byte == _QUOTE:
                 in_string = False
-        elif byte == 34:
+        elif byte == _QUOTE:
             in_string = True
-        elif byte == 123:
+        elif byte == _OPEN:
             depth += 1
-        elif byte == 125:
+        elif byte == _CLOSE:
             depth -= 1
             if not depth:
                 return data[start : index + 1]
