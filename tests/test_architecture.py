@@ -595,10 +595,10 @@ def test_a_private_import_is_found_however_it_is_written(source: str, expected: 
 # -- the exchange's stages, as docs/architecture.md draws them ------------------------------
 
 
-def documented_moves() -> dict[str, set[str]]:
-    """The table of stages and moves under "States, and who writes them"."""
+def documented_moves(heading: str) -> dict[str, set[str]]:
+    """The moves the table under ``### {heading}`` of docs/architecture.md allows."""
     text = (ROOT.parent / "docs" / "architecture.md").read_text("utf-8")
-    section = text.split("## States, and who writes them", 1)[1].split("\n## ", 1)[0]
+    section = text.split(f"### {heading}", 1)[1].split("\n#", 1)[0]
     moves: dict[str, set[str]] = {}
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -608,28 +608,64 @@ def documented_moves() -> dict[str, set[str]]:
     return moves
 
 
-def test_the_documented_stages_are_the_exchanges() -> None:
-    from asgi_disconnect._disconnect import MOVES, Stage
+TABLES = [
+    ("Stage:", "MOVES", "Stage"),
+    ("Client:", "CLIENT_MOVES", "Client"),
+    ("Delivery:", "DELIVERY_MOVES", "Delivery"),
+]
 
-    code = {stage.value: {to.value for to in moves} for stage, moves in MOVES.items()}
-    assert set(code) == {stage.value for stage in Stage}
-    assert documented_moves() == code
+
+@pytest.mark.parametrize(("heading", "table", "kind"), TABLES)
+def test_the_documented_states_are_the_codes(heading: str, table: str, kind: str) -> None:
+    from asgi_disconnect import _states
+
+    moves = getattr(_states, table)
+    code = {start.value: {to.value for to in targets} for start, targets in moves.items()}
+    assert set(code) == {state.value for state in getattr(_states, kind)}
+    assert documented_moves(heading) == code
 
 
-def test_a_move_the_table_does_not_allow_raises_naming_both_stages() -> None:
-    from asgi_disconnect._disconnect import MOVES, Stage, _Exchange
+@pytest.mark.parametrize(("heading", "table", "kind"), TABLES)
+def test_a_move_the_table_does_not_allow_raises_naming_both(
+    heading: str, table: str, kind: str
+) -> None:
+    from asgi_disconnect import _states
 
-    exchange = _Exchange.__new__(_Exchange)
-    for start in Stage:
-        for to in Stage:
-            exchange.stage = start
-            if to in MOVES[start]:
-                exchange.move(to)
-                assert exchange.stage is to
+    moves = getattr(_states, table)
+    for start in getattr(_states, kind):
+        for to in getattr(_states, kind):
+            if to in moves[start]:
+                assert _states.moved(moves, start, to) is to
             else:
                 with pytest.raises(RuntimeError, match=f"from {start.value} to {to.value}"):
-                    exchange.move(to)
-                assert exchange.stage is start
+                    _states.moved(moves, start, to)
+
+
+def test_the_exchange_moves_its_stage_by_the_table() -> None:
+    from asgi_disconnect._disconnect import _Exchange
+    from asgi_disconnect._states import Stage
+
+    exchange = _Exchange.__new__(_Exchange)
+    exchange.stage = Stage.ENDED
+    with pytest.raises(RuntimeError, match="from ended to running"):
+        exchange.move(Stage.RUNNING)
+    assert exchange.stage is Stage.ENDED
+
+
+def test_only_the_exchange_writes_where_its_client_stands() -> None:
+    """``client`` is assigned in ``_disconnect`` alone (the exchange); every other part
+    reports to it (``client_left``)."""
+    found = []
+    for name, path in module_names(ROOT).items():
+        if short(name) == "_disconnect":
+            continue
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Attribute) and target.attr == "client":
+                        found.append(f"{short(name)}:{node.lineno}")
+    assert not found, found
 
 
 # -- the client writer owns delivery ---------------------------------------------------------
