@@ -324,10 +324,10 @@ class DisconnectMiddleware:
         await self.backend.aclose()
         # Requests after the lifespan ended are served as before it began (one app used with
         # and without a lifespan, as tests do): their work ends with them.
-        self.supervisor.stopping = False
+        self.supervisor.admit()
 
     def _stop_admitting(self) -> None:
-        self.supervisor.stopping = True
+        self.supervisor.stop_admitting()
         if self.transport is not None:
             self.transport.settle_all()
 
@@ -697,6 +697,12 @@ class _Exchange:
             # outer timeout): for this response the client is gone.
             reader.halt()
             await self._request_cancelled()
+            error = self.app_error
+            if error is not None and not isinstance(error, asyncio.CancelledError):
+                # The app raised while it was being cancelled (a cleanup that fails): the
+                # server hears of that error, as it would bare, not of the cancellation.
+                self.app_error = None
+                raise error  # noqa: B904 (its own context, as bare: the cancellation)
             raise
         finally:
             self.waiter = None

@@ -35,6 +35,15 @@ class Supervisor:
         self.started = True
         self.stopping = False
 
+    def stop_admitting(self) -> None:
+        """Shutdown began: new work is refused from now on."""
+        self.stopping = True
+
+    def admit(self) -> None:
+        """The lifespan ended: work is admitted again, tied to its request (an app used with
+        and without a lifespan, as tests do)."""
+        self.stopping = False
+
     def tasks(self) -> list[asyncio.Task[Any]]:
         """The tasks running now."""
         return list(self._tasks)

@@ -308,3 +308,56 @@ async def test_an_endpoint_catches_the_body_limit_itself(installed: bool) -> Non
         result = await drive(app, method="POST", path="/catch", body=b"x" * 30)
         assert result.status == 200
         assert result.body == b'{"caught":413}'
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["bare", "installed"])
+@pytest.mark.parametrize("warm", [False, True], ids=["first-request", "warm-route"])
+async def test_an_error_the_apps_cleanup_raises_while_cancelled_reaches_the_caller(
+    installed: bool, warm: bool
+) -> None:
+    """A request cancelled from outside (hypercorn cancels it when its client leaves) whose
+    app fails in its cleanup: the caller hears of the app's error, as bare, whether the app
+    ran in a task of its own or in the request's; the cancellation is its context."""
+    failure = RuntimeError("cleanup failed")
+    cleaned, entered = anyio.Event(), anyio.Event()
+
+    async def failing(request: Request) -> JSONResponse:
+        entered.set()
+        try:
+            if request.query_params.get("wait") == "1":
+                await anyio.sleep_forever()
+            return JSONResponse({})
+        finally:
+            if request.query_params.get("wait") == "1":
+                cleaned.set()
+                raise failure
+
+    app = Starlette(routes=[Route("/fail", metered()(failing))])
+    if installed:
+        install(app, backend=MemoryBackend(), idempotency=True, drain=True)
+    if warm:
+        assert (await drive(app, path="/fail")).status == 200
+        entered = anyio.Event()
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    raised: list[BaseException] = []
+
+    async def client(*, task_status: Any) -> None:
+        with anyio.CancelScope() as scope:
+            task_status.started(scope)
+            request = {**http_scope("/fail"), "query_string": b"wait=1"}
+            try:
+                await app(request, request_then_disconnect(asyncio.Event()), send)
+            except BaseException as exc:  # what the server would hear
+                raised.append(exc)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as group:
+            scope = await group.start(client)
+            await entered.wait()
+            scope.cancel()
+    assert cleaned.is_set()
+    assert raised == [failure]
+    assert isinstance(failure.__context__, anyio.get_cancelled_exc_class())
