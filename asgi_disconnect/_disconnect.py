@@ -60,6 +60,22 @@ if TYPE_CHECKING:
 
 __all__ = ["DisconnectMiddleware"]
 
+# Enum members read on the request's paths, bound once: on Python 3.11 a member's
+# lookup goes through EnumType.__getattr__ (~60 ns, ~200 instructions); see
+# docs/performance.md for what it costs per request and per chunk.
+_APP_RETURNED = AppEnd.RETURNED
+_CLIENT_CONNECTED = Client.CONNECTED
+_DELIVERY_DONE = Delivery.DONE
+_ENDING_DELIVERED = Ending.DELIVERED
+_POLICY_CANCEL = Policy.CANCEL
+_POLICY_DETACH = Policy.DETACH
+_STAGE_CANCELLING = Stage.CANCELLING
+_STAGE_DETACHED = Stage.DETACHED
+_STAGE_ENDED = Stage.ENDED
+_STAGE_RUNNING = Stage.RUNNING
+_STAGE_SETTLING = Stage.SETTLING
+_STATUS_COMPLETE = Status.COMPLETE
+
 
 logger = logging.getLogger("asgi_disconnect")
 
@@ -102,7 +118,7 @@ class DisconnectMiddleware:
         app: ASGIApp,
         *,
         backend: Backend | None = None,
-        policy: PolicySource = Policy.CANCEL,
+        policy: PolicySource = _POLICY_CANCEL,
         principal: Callable[[Scope], str | None] | None = None,
         resume_prefix: str | None = "/generations",
         exclude_paths: Sequence[str] = (),
@@ -410,7 +426,7 @@ class DisconnectMiddleware:
             memo.clear()
         memo[(scope["method"], scope["path"])] = (
             source if source is not None else self.policy
-        ) is Policy.CANCEL
+        ) is _POLICY_CANCEL
 
     def resolve(self, scope: Scope) -> Policy:
         """The route's policy for this request; one that cannot be resolved is cancel."""
@@ -425,7 +441,7 @@ class DisconnectMiddleware:
                 scope.get("path"),
                 exc_info=True,
             )
-            return Policy.CANCEL
+            return _POLICY_CANCEL
 
     def owns_detached(self) -> bool:
         if self.supervisor.started:
@@ -558,8 +574,8 @@ class _Exchange:
         self.decider: asyncio.Task[None] | None = None
         # How the app ended, and what that makes of its generation.
         self.outcome = Outcome(self.out, state, mw.counters)
-        self.stage = Stage.RUNNING
-        self.client = Client.CONNECTED
+        self.stage = _STAGE_RUNNING
+        self.client = _CLIENT_CONNECTED
 
     def move(self, to: Stage) -> None:
         """Move the exchange on; a move ``MOVES`` does not allow raises, naming both."""
@@ -569,19 +585,19 @@ class _Exchange:
         """The exchange is over: the app ended and nothing more is delivered."""
         state = self.state
         if (
-            self.out.delivery is Delivery.DONE
+            self.out.delivery is _DELIVERY_DONE
             and self.out.writer is None
-            and self.outcome.app is AppEnd.RETURNED
+            and self.outcome.app is _APP_RETURNED
             and not state.detached
         ):
-            self._end(Ending.DELIVERED)  # a response sent in one piece
+            self._end(_ENDING_DELIVERED)  # a response sent in one piece
             return
         stage = self.stage
-        if stage is Stage.SETTLING or stage is Stage.ENDED:
+        if stage is _STAGE_SETTLING or stage is _STAGE_ENDED:
             return
         self.out.stop_keep_alive()
         generation = self.out.generation
-        if state.detached and generation is not None and generation.status is Status.COMPLETE:
+        if state.detached and generation is not None and generation.status is _STATUS_COMPLETE:
             self.mw.counters.detach_completed += 1
         self._end(self.outcome.ending())
         writer = self.out.writer
@@ -593,16 +609,16 @@ class _Exchange:
         """Record how the exchange ended; a Stop no longer reaches it. A watched response
         ends once its client's TCP acknowledged what it was handed (or died, or closed)."""
         stage = self.stage
-        if stage is Stage.SETTLING or stage is Stage.ENDED:
+        if stage is _STAGE_SETTLING or stage is _STAGE_ENDED:
             return
         watched = self.out.watched
         if watched is not None and watched.settle(lambda: self._ended(ending)):
-            self.move(Stage.SETTLING)
+            self.move(_STAGE_SETTLING)
             return
         self._ended(ending)
 
     def _ended(self, ending: Ending) -> None:
-        self.move(Stage.ENDED)
+        self.move(_STAGE_ENDED)
         mw = self.mw
         if mw._running.pop(self.state.generation_id, None) is not None:
             mw._one_ended()
@@ -720,7 +736,7 @@ class _Exchange:
         if (
             drained is not None
             and self.out.generation is None
-            and self.client is Client.CONNECTED
+            and self.client is _CLIENT_CONNECTED
         ):
             # A drain's deadline came before the app started its response: retry elsewhere.
             await send_problem(
@@ -747,23 +763,23 @@ class _Exchange:
         if app_task.done():
             return
         stage = self.stage
-        if stage is Stage.DETACHED:
+        if stage is _STAGE_DETACHED:
             if not self.mw.supervisor.started:
                 # Without the lifespan protocol the work ends with its request.
-                self.move(Stage.CANCELLING)
+                self.move(_STAGE_CANCELLING)
                 app_task.cancel()
                 await _teardown(app_task)
             return
-        if stage is Stage.RUNNING:
-            policy = self.mw.resolve(self.scope) if self.outcome.app is None else Policy.CANCEL
+        if stage is _STAGE_RUNNING:
+            policy = self.mw.resolve(self.scope) if self.outcome.app is None else _POLICY_CANCEL
             if (
-                policy is Policy.DETACH
+                policy is _POLICY_DETACH
                 and self.mw.owns_detached()
                 and not self.mw.supervisor.stopping
             ):
                 self._detach(policy)
                 return
-            self.move(Stage.CANCELLING)
+            self.move(_STAGE_CANCELLING)
         # Not detached: stop the app and let its finally blocks run before we return.
         if by_scope and self.app_run is not None:
             # As bare, the app's awaits are cancelled until it returns, but for the ones
@@ -790,7 +806,7 @@ class _Exchange:
         writer, the transport watch, the lag clock or the server's ``send``. What comes after
         the first report changes nothing. Nothing more is sent to it, and the request's
         state says it disconnected (``heard``; not when the server cancelled the request)."""
-        if self.client is not Client.CONNECTED:
+        if self.client is not _CLIENT_CONNECTED:
             return
         self.client = moved(CLIENT_MOVES, self.client, CLIENT_OF_REASON[reason])
         self.out.client_left(reason)
@@ -833,7 +849,7 @@ class _Exchange:
     def hears_disconnect(self) -> bool:
         """The app's next ``receive`` answers ``http.disconnect``: its response went whole,
         or its client left and it did not detach."""
-        return self.handed() or (self.client is not Client.CONNECTED and not self.state.detached)
+        return self.handed() or (self.client is not _CLIENT_CONNECTED and not self.state.detached)
 
     async def _join_writer(self) -> None:
         """Wait for the writer to hand over the rest, within the lag deadline."""
@@ -855,12 +871,12 @@ class _Exchange:
             runner.done()
             or self.outcome.app is not None
             or self.handed()
-            or self.stage is not Stage.RUNNING
+            or self.stage is not _STAGE_RUNNING
         ):
             return  # over, or detached or cancelled already
         # A server that refused a send broke the response: the work stops as under cancel.
-        policy = Policy.CANCEL if reason == "error" else mw.resolve(self.scope)
-        if policy is Policy.DETACH:
+        policy = _POLICY_CANCEL if reason == "error" else mw.resolve(self.scope)
+        if policy is _POLICY_DETACH:
             self._detach(policy)
             if runner is not self.app_task:
                 # Predicted cancel-only, yet it detached: it stays tied to this request, and
@@ -878,7 +894,7 @@ class _Exchange:
         if reason != "error":
             mw.counters.cancelled += 1
         state.note("cancelled")
-        self.move(Stage.CANCELLING)
+        self.move(_STAGE_CANCELLING)
         self.outcome.cancelled_by_policy = True
         self._cancel(runner)
         if state.upstreams:
@@ -897,15 +913,15 @@ class _Exchange:
         runner = self._cancellable()
         if runner is None:
             return False
-        self.move(Stage.CANCELLING)
+        self.move(_STAGE_CANCELLING)
         outcome = self.outcome
         outcome.stopped = outcome.cancelled_by_policy = True
         state = self.state
-        state.policy = Policy.CANCEL
+        state.policy = _POLICY_CANCEL
         state.stopped_by = "owner"
         generation = self.out.generation
         if generation is not None:
-            generation.policy = Policy.CANCEL.value
+            generation.policy = _POLICY_CANCEL.value
         self.mw.counters.stopped += 1
         self._cancel_now(runner, "stopped")
         return True
@@ -915,7 +931,7 @@ class _Exchange:
         runner = self._cancellable()
         if runner is None:
             return False
-        self.move(Stage.CANCELLING)
+        self.move(_STAGE_CANCELLING)
         self.outcome.drained = retry_after
         self.outcome.interrupt_reason = DRAINED
         self.state.stopped_by = "drain"
@@ -928,7 +944,7 @@ class _Exchange:
         runner = self.app_task or self.request_task
         stage = self.stage
         if (
-            (stage is not Stage.RUNNING and stage is not Stage.DETACHED)
+            (stage is not _STAGE_RUNNING and stage is not _STAGE_DETACHED)
             or self.outcome.app is not None
             or runner is None
             or runner.done()
@@ -945,7 +961,7 @@ class _Exchange:
             self.mw.supervisor.spawn(state.close_upstreams())
 
     def _detach(self, policy: Policy) -> None:
-        self.move(Stage.DETACHED)
+        self.move(_STAGE_DETACHED)
         state = self.state
         state.policy = policy
         state.detached = True

@@ -35,18 +35,23 @@ if TYPE_CHECKING:
 
 __all__ = ["Outbound", "ResponseOptions"]
 
+# Enum members read on the request's paths, bound once: on Python 3.11 a member's
+# lookup goes through EnumType.__getattr__ (~60 ns, ~200 instructions); see
+# docs/performance.md for what it costs per request and per chunk.
+_CLIENT_CONNECTED = Client.CONNECTED
+_CLIENT_GONE = Client.GONE
+_DELIVERY_DONE = Delivery.DONE
+_DELIVERY_FINAL = Delivery.FINAL
+_DELIVERY_GONE = Delivery.GONE
+_DELIVERY_OPEN = Delivery.OPEN
+_STATUS_COMPLETE = Status.COMPLETE
+_STATUS_FAILED = Status.FAILED
+
 _KEEP_ALIVE = b": keep-alive\n\n"
 _GENERATION_HEADER = b"x-generation-id"
 _ENDS_BODY = frozenset({"http.response.pathsend", "http.response.trailers"})
 # A JSON response streamed in pieces is judged by its first this many bytes.
 _JUDGE_BYTES = 4096
-# Enum members read on hot paths, bound once (a member lookup costs ~50 ns).
-_DONE = Delivery.DONE
-_FINAL = Delivery.FINAL
-_GONE = Delivery.GONE
-_OPEN = Delivery.OPEN
-_STATUS_COMPLETE = Status.COMPLETE
-_STATUS_FAILED = Status.FAILED
 
 
 def _ends(kind: str, message: Message) -> bool:
@@ -230,7 +235,7 @@ class _Over:
     def running_as(self, generation_id: str) -> None:
         pass
 
-    client = Client.GONE  # over: nothing more is sent
+    client = _CLIENT_GONE  # over: nothing more is sent
 
     def client_left(self, reason: str) -> None:
         pass
@@ -291,7 +296,7 @@ class Outbound:
         self.held: Message | None = None
         self.held_body: list[Message] = []
         # Where the response stands while no writer exists (a response sent in one piece).
-        self.delivery = _OPEN
+        self.delivery = _DELIVERY_OPEN
         self.body_ended = False
         self.expect_trailers = False
         self.trailers_ended = False  # a trailers message without more_trailers went
@@ -304,12 +309,12 @@ class Outbound:
     @property
     def client_gone(self) -> bool:
         """Nothing more is sent to the client (its exchange says where it stands)."""
-        return self.owner.client is not Client.CONNECTED
+        return self.owner.client is not _CLIENT_CONNECTED
 
     def handed(self) -> bool:
         """The whole response went to the server."""
         writer = self.writer
-        return (writer.delivery if writer is not None else self.delivery) is _DONE
+        return (writer.delivery if writer is not None else self.delivery) is _DELIVERY_DONE
 
     def unlink(self) -> None:
         """The exchange ended: let go of it (reference counting frees both)."""
@@ -329,12 +334,11 @@ class Outbound:
             size = len(body)
             more_body = message.get("more_body", False)
             writer = self.writer
-            # 1048576 is MESSAGE_BYTES, as a constant: a global costs a lookup per chunk.
             if (
                 writer is not None
                 and more_body
-                and 0 < size <= 1048576
-                and self.owner.client is Client.CONNECTED
+                and 0 < size <= MESSAGE_BYTES
+                and self.owner.client is _CLIENT_CONNECTED
             ):
                 # The hot path, one chunk of a stream: append it to the log (Generation.append,
                 # inlined) and hand it to the writer, or wait for a client far behind.
@@ -353,8 +357,8 @@ class Outbound:
                         and not live.reads_back
                     ):
                         await writer.room(self.options.max_lag_bytes // 2)
-                    hold = self.hold  # the store may be behind (2097152 is HOLD_CHECK)
-                    if hold is not None and live.size - live.base > 2097152:
+                    hold = self.hold  # the store may be behind
+                    if hold is not None and live.size - live.base > HOLD_CHECK:
                         await hold.room()
                     return
             await self._body(message, body, more_body, writer)
@@ -503,7 +507,7 @@ class Outbound:
             return
         self.state.delivered_bytes += size
         if not more_body and not self.expect_trailers:
-            self.delivery = _DONE
+            self.delivery = _DELIVERY_DONE
 
     async def _open_generation(self, message: Message) -> None:
         """The response is a generation: open its log and hand the server its start."""
@@ -535,7 +539,7 @@ class Outbound:
             # straight through.
             await self._pass(message)
             if self.passthrough and not self.client_gone and _ends(kind, message):
-                self.delivery = _DONE
+                self.delivery = _DELIVERY_DONE
             return
         if kind == "http.response.pathsend":
             # The file is the body, sent by the server; the log keeps none of it.
@@ -617,8 +621,8 @@ class Outbound:
         writer = self.writer
         if writer is not None:
             writer.lost(reason)
-        elif self.delivery is not _DONE:
-            self.delivery = _GONE
+        elif self.delivery is not _DELIVERY_DONE:
+            self.delivery = _DELIVERY_GONE
         watched = self.watched
         if watched is not None and reason == "client":
             watched.closed()  # the server says the client left: it acknowledges nothing more
@@ -631,7 +635,7 @@ class Outbound:
         """Send the whole response, one message, from the producer's own task, judged by
         the lag rule while in flight: a client that stops reading (an HTTP/2 window that
         stays shut) is lagging then, and the policy applies to its request."""
-        self.delivery = _FINAL
+        self.delivery = _DELIVERY_FINAL
         clock = self.options.lag_clock
         clock.begin(self)
         try:
@@ -641,13 +645,13 @@ class Outbound:
             return
         finally:
             clock.end(self)
-        if self.delivery is _GONE:
+        if self.delivery is _DELIVERY_GONE:
             return  # it lagged meanwhile: what the server took late is not counted
         self.state.delivered_bytes += size
         if not self.expect_trailers:
-            self.delivery = _DONE
+            self.delivery = _DELIVERY_DONE
 
     def lagging(self) -> None:
         """The lag clock: the whole response's send waited ``max_lag_seconds``."""
-        if self.delivery is _FINAL:
+        if self.delivery is _DELIVERY_FINAL:
             self.owner.client_left("lag")

@@ -30,7 +30,10 @@ __all__ = ["AppEnd", "Counters", "Outcome"]
 
 logger = logging.getLogger("asgi_disconnect")
 
-_DONE = Delivery.DONE
+# Enum members read on the request's paths, bound once: on Python 3.11 a member's
+# lookup goes through EnumType.__getattr__ (~60 ns, ~200 instructions); see
+# docs/performance.md for what it costs per request and per chunk.
+_DELIVERY_DONE = Delivery.DONE
 _ENDING_CANCELLED = Ending.CANCELLED
 _ENDING_CUT = Ending.CUT
 _ENDING_DELIVERED = Ending.DELIVERED
@@ -39,6 +42,7 @@ _ENDING_INTERRUPTED = Ending.INTERRUPTED
 _STATUS_CANCELLED = Status.CANCELLED
 _STATUS_FAILED = Status.FAILED
 _STATUS_INTERRUPTED = Status.INTERRUPTED
+
 
 
 class Counters:
@@ -78,6 +82,12 @@ class AppEnd(enum.Enum):
     INTERRUPTED = "interrupted"  # cancelled from outside: a drain, a shutdown, the server
 
 
+_APP_CANCELLED = AppEnd.CANCELLED
+_APP_FAILED = AppEnd.FAILED
+_APP_INTERRUPTED = AppEnd.INTERRUPTED
+_APP_RETURNED = AppEnd.RETURNED
+
+
 class Outcome:
     """How the app of one exchange ended; see the module docstring."""
 
@@ -107,29 +117,29 @@ class Outcome:
         """Record how the app ended: the generation's status, then maybe the exchange's end."""
         generation = self.out.generation
         if failure is None:
-            self.app = AppEnd.RETURNED
+            self.app = _APP_RETURNED
             if generation is not None and generation.running:
                 self.record_end(_STATUS_FAILED, "the app returned before its response was complete")
         elif isinstance(failure, asyncio.CancelledError):
             refused = self.out.writer.error if self.out.writer is not None else None
             if refused is not None:
                 # The server refused a send; the app was stopped for it.
-                self.app = AppEnd.FAILED
+                self.app = _APP_FAILED
                 self.record_end(_STATUS_FAILED, f"the server refused a send: {refused!r}"[:500])
             elif self.cancelled_by_policy:
-                self.app = AppEnd.CANCELLED
+                self.app = _APP_CANCELLED
                 if self.stopped:
                     self.record_end(_STATUS_CANCELLED, STOPPED, code="cancelled")
                 else:
                     self.record_end(_STATUS_CANCELLED, "cancelled after the client disconnected")
             else:
-                self.app = AppEnd.INTERRUPTED
+                self.app = _APP_INTERRUPTED
                 if generation is not None and generation.running:
                     self.counters.interrupted += 1
                 self.state.note("interrupted")
                 self.record_end(_STATUS_INTERRUPTED, self.interrupt_reason)
         else:
-            self.app = AppEnd.FAILED
+            self.app = _APP_FAILED
             self.failed(failure)
         writer = self.out.writer
         if writer is not None:
@@ -138,18 +148,18 @@ class Outcome:
     def ending(self) -> Ending:
         """How the exchange ended, once the app did and nothing more is delivered."""
         outcome = self.app
-        if outcome is AppEnd.CANCELLED:
+        if outcome is _APP_CANCELLED:
             return _ENDING_CANCELLED
-        if outcome is AppEnd.INTERRUPTED:
+        if outcome is _APP_INTERRUPTED:
             return _ENDING_INTERRUPTED
         writer = self.out.writer
-        if outcome is AppEnd.FAILED or (writer is not None and writer.error is not None):
+        if outcome is _APP_FAILED or (writer is not None and writer.error is not None):
             return _ENDING_FAILED
         generation = self.out.generation
         if generation is not None and generation.status is _STATUS_FAILED:
             return _ENDING_FAILED
         delivery = writer.delivery if writer is not None else self.out.delivery
-        if delivery is _DONE:
+        if delivery is _DELIVERY_DONE:
             return _ENDING_DELIVERED
         return _ENDING_CUT
 
@@ -241,7 +251,7 @@ class Outcome:
             headers.append((b"retry-after", exc.retry_after.encode("latin-1")))
         out = self.out
         answered(out.scope, status)
-        out.delivery = _DONE
+        out.delivery = _DELIVERY_DONE
         try:
             await send_problem(
                 out.send,

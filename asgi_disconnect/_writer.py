@@ -43,6 +43,14 @@ __all__ = ["EAGER_SENDS", "ClientWriter", "LagClock"]
 
 logger = logging.getLogger("asgi_disconnect")
 
+# Enum members read on the request's paths, bound once: on Python 3.11 a member's
+# lookup goes through EnumType.__getattr__ (~60 ns, ~200 instructions); see
+# docs/performance.md for what it costs per request and per chunk.
+_DELIVERY_DONE = Delivery.DONE
+_DELIVERY_FINAL = Delivery.FINAL
+_DELIVERY_GONE = Delivery.GONE
+_DELIVERY_OPEN = Delivery.OPEN
+
 EAGER_SENDS = sys.version_info >= (3, 12)
 """Whether a send is started at once in a task of its own (``Task(..., eager_start=True)``,
 Python 3.12+) while the client keeps up; else the writer task sends everything. Both ways
@@ -52,11 +60,6 @@ _Task = asyncio.Task
 _COROUTINE = types.CoroutineType
 
 
-# Enum members read on hot paths, bound once (a member lookup costs ~50 ns).
-_DONE = Delivery.DONE
-_FINAL = Delivery.FINAL
-_GONE = Delivery.GONE
-_OPEN = Delivery.OPEN
 
 
 # The largest body message the writer makes of chunks that wait: small enough that a
@@ -120,7 +123,7 @@ class ClientWriter:
         self.expect_trailers = expect_trailers
         self.on_lost = on_lost
         self.sent_index = sent_index
-        self.delivery = _OPEN
+        self.delivery = _DELIVERY_OPEN
         self.end_response = True
         self.end_sent = False
         # Set by the exchange once the app ended: nothing more will be produced.
@@ -161,7 +164,7 @@ class ClientWriter:
         """Start sending ``message`` (in the log up to chunk ``count``) in a task of its own,
         eagerly (``hand_chunk`` is the same for a body chunk that is not the last)."""
         if _last(message, self.expect_trailers):
-            self.move(_FINAL)
+            self.move(_DELIVERY_FINAL)
         sending = as_coroutine(self.send(message))
         task = _Task(sending, loop=self.loop, context=self.context, eager_start=True)  # type: ignore[call-arg]
         if task.done():
@@ -221,7 +224,7 @@ class ClientWriter:
     def keep_alive(self, body: bytes) -> None:
         """Send ``body`` (a comment) now if nothing else waits: the writer task sends it, in
         order, and the app's next chunk goes behind it."""
-        if not self.extras and self.delivery is _OPEN:
+        if not self.extras and self.delivery is _DELIVERY_OPEN:
             self.queue(
                 {"type": "http.response.body", "body": body, "more_body": True}, after_end=False
             )
@@ -259,7 +262,7 @@ class ClientWriter:
             if pending is None:
                 break
             self.hand(*pending)
-        if self.delivery is _DONE or self.closing:
+        if self.delivery is _DELIVERY_DONE or self.closing:
             self.wake()
 
     def wake(self) -> None:
@@ -270,9 +273,9 @@ class ClientWriter:
 
     def lost(self, reason: str) -> None:
         """The client is gone (``client``), lagging (``lag``) or the server refused (``error``)."""
-        if self.delivery is _GONE or self.delivery is _DONE:
+        if self.delivery is _DELIVERY_GONE or self.delivery is _DELIVERY_DONE:
             return
-        self.move(_GONE)
+        self.move(_DELIVERY_GONE)
         self.direct = False
         self._free_room()
         self.stop()
@@ -290,7 +293,7 @@ class ClientWriter:
 
     def _next(self) -> tuple[Message, int, int] | None:
         """The next message to hand over: queued chunks as one body, or a queued message."""
-        if self.delivery is not _OPEN:
+        if self.delivery is not _DELIVERY_OPEN:
             return None
         generation = self.generation
         count = len(generation.chunks)
@@ -327,7 +330,7 @@ class ClientWriter:
             index + 1 == len(chunks)
             and chunks[index] is latest["body"]
             and not self.extras
-            and self.delivery is _OPEN
+            and self.delivery is _DELIVERY_OPEN
         ):
             return latest, len(latest["body"]), index + 1
         return self._next()
@@ -378,8 +381,8 @@ class ClientWriter:
                     return
             elif kind != "http.response.pathsend":
                 return
-        if self.delivery is not _GONE:
-            self.move(_DONE)
+        if self.delivery is not _DELIVERY_GONE:
+            self.move(_DELIVERY_DONE)
             self.direct = False
 
     # -- the writer task ------------------------------------------------------------------
@@ -416,7 +419,7 @@ class ClientWriter:
                 if following is not None:
                     message, size, count = following
                     if message is not latest and _last(message, self.expect_trailers):
-                        self.move(_FINAL)
+                        self.move(_DELIVERY_FINAL)
                     clock.begin(self)  # judged by the lag rule while in flight
                     try:
                         await self.send(message)
@@ -424,7 +427,7 @@ class ClientWriter:
                         clock.end(self)
                     self._sent(message, size, count)
                     continue
-                if self.delivery is not _OPEN or self.closing:
+                if self.delivery is not _DELIVERY_OPEN or self.closing:
                     return
                 self.direct = self.eager
                 waiter = self.waiter = self.loop.create_future()
@@ -471,7 +474,7 @@ class ClientWriter:
 
     def lagging(self) -> None:
         """The lag clock: a send of this writer has waited ``max_lag_seconds``."""
-        if not self.task.done() and self.delivery is not _GONE:
+        if not self.task.done() and self.delivery is not _DELIVERY_GONE:
             self.lost("lag")
 
     async def join(self, seconds: float) -> bool:
@@ -480,8 +483,8 @@ class ClientWriter:
         if self.task.done():
             return True
         ended = await wait_bounded(self.task, seconds)
-        if self.delivery is not _DONE and self.delivery is not _GONE:
-            self.delivery = _GONE
+        if self.delivery is not _DELIVERY_DONE and self.delivery is not _DELIVERY_GONE:
+            self.delivery = _DELIVERY_GONE
         return ended
 
 

@@ -538,14 +538,6 @@ async def test_other_scopes_pass_through() -> None:
     assert seen == ["websocket"]
 
 
-def test_the_hot_path_spells_the_message_limit_as_the_writers() -> None:
-    from asgi_disconnect._outbound import Outbound
-    from asgi_disconnect._writer import MESSAGE_BYTES
-
-    # app_send compares with a constant (a global costs a lookup per chunk): the same one.
-    assert MESSAGE_BYTES in Outbound.app_send.__code__.co_consts
-
-
 async def test_the_lag_deadline_acts_at_max_lag_seconds_for_the_send_that_waits() -> None:
     """A client that reads slowly once, then stops: the send that stalls is judged by its
     own deadline, not by a timer set for the first slow send (which let it run 1.5 times
