@@ -579,7 +579,9 @@ class _Exchange:
 
     def move(self, to: Stage) -> None:
         """Move the exchange on; a move ``MOVES`` does not allow raises, naming both."""
-        self.stage = moved(MOVES, self.stage, to)
+        if to not in MOVES[self.stage]:
+            moved(MOVES, self.stage, to)  # raises, naming both
+        self.stage = to
 
     def _finish(self) -> None:
         """The exchange is over: the app ended and nothing more is delivered."""

@@ -410,7 +410,7 @@ class Outbound:
             self._end_body(generation)
         elif self.hold is not None and generation.size - generation.base > HOLD_CHECK:
             await self.hold.room()  # the store is behind: wait on it, not on the client
-        if self.client_gone:
+        if self.owner.client is not _CLIENT_CONNECTED:
             return
         if writer is not None:
             await self._hand(writer, generation)
@@ -494,7 +494,7 @@ class Outbound:
 
     async def _pass(self, message: Message) -> None:
         """A message of a response that is not a generation, straight to the server."""
-        if self.client_gone:
+        if self.owner.client is not _CLIENT_CONNECTED:
             return
         try:
             await self.send(message)
@@ -503,7 +503,7 @@ class Outbound:
 
     async def _pass_body(self, message: Message, size: int, more_body: bool) -> None:
         await self._pass(message)
-        if self.client_gone:
+        if self.owner.client is not _CLIENT_CONNECTED:
             return
         self.state.delivered_bytes += size
         if not more_body and not self.expect_trailers:
@@ -512,7 +512,7 @@ class Outbound:
     async def _open_generation(self, message: Message) -> None:
         """The response is a generation: open its log and hand the server its start."""
         await self._pass(self._start(message))
-        if self.client_gone:
+        if self.owner.client is not _CLIENT_CONNECTED:
             return
         interval = self.options.keep_alive
         if interval is not None and is_event_stream(self.generation.content_type):  # type: ignore[union-attr]
@@ -538,7 +538,7 @@ class Outbound:
             # Nothing of the response is held (early hints, say), or it is no generation:
             # straight through.
             await self._pass(message)
-            if self.passthrough and not self.client_gone and _ends(kind, message):
+            if self.passthrough and self.owner.client is _CLIENT_CONNECTED and _ends(kind, message):
                 self.delivery = _DELIVERY_DONE
             return
         if kind == "http.response.pathsend":
@@ -546,7 +546,7 @@ class Outbound:
             if not generation.finish(_STATUS_COMPLETE):
                 raise RuntimeError("ASGI message 'http.response.pathsend' after the response ended")
             self.body_ended = True
-        if self.client_gone:
+        if self.owner.client is not _CLIENT_CONNECTED:
             return
         writer = self.writer or self.open_writer()
         if kind == "http.response.pathsend":
@@ -582,8 +582,10 @@ class Outbound:
 
     def _silent(self) -> None:
         """The client's TCP acknowledged nothing for ``client_timeout``: it is gone."""
-        if not self.client_gone and not self.state.finished and self.writer is not None:
-            self.writer.lost("silent")
+        writer = self.writer
+        over = self.state.finished
+        if writer is not None and self.owner.client is _CLIENT_CONNECTED and not over:
+            writer.lost("silent")
 
     def _writer_lost(self, reason: str) -> None:
         self.owner.client_left(reason)
