@@ -10,7 +10,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from asgi_disconnect import DisconnectMiddleware, MemoryBackend
+from asgi_disconnect import DisconnectMiddleware, MemoryBackend, disconnect_policy
 
 SSE_EVENTS = 1000
 _EVENT = b'data: {"choices":[{"delta":{"content":"token"}}]}\n\n'
@@ -78,6 +78,13 @@ async def sse_paced(request: object) -> StreamingResponse:
     return StreamingResponse(_paced_events(), media_type="text/event-stream")
 
 
+@disconnect_policy("detach")
+async def sse_paced_detach(request: object) -> StreamingResponse:
+    """The same paced stream on a route that detaches: it always runs supervised (the app
+    in a task of its own, so that it can outlive its request)."""
+    return StreamingResponse(_paced_events(), media_type="text/event-stream")
+
+
 def make_app() -> Starlette:
     return Starlette(
         routes=[
@@ -86,6 +93,7 @@ def make_app() -> Starlette:
             Route("/sse", sse),
             Route("/sse-llm", sse_llm),
             Route("/sse-paced", sse_paced),
+            Route("/sse-paced-detach", sse_paced_detach),
         ]
     )
 

@@ -154,6 +154,7 @@ ROUTES = {
     "/sse": (10, "stream"),
     "/sse-llm": (10, "stream"),
     "/sse-paced": (10, "stream"),
+    "/sse-paced-detach": (10, "stream"),
 }
 
 
