@@ -214,16 +214,7 @@ class ResumeEndpoints:
         already ended."""
         if info.status is Status.RUNNING:
             requested = await self.backend.request_cancel(info.id)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + _STOP_WAIT
-            while loop.time() < deadline:
-                latest = await self.backend.get(info.id)
-                if latest is None:
-                    break
-                info = latest
-                if info.status is not Status.RUNNING:
-                    break
-                await asyncio.sleep(0.02)
+            info = await self._until_ended(info, _STOP_WAIT)
             if requested:
                 # Stopped (200), or asked of the replica that runs it, which has yet to act.
                 await _send_info(send, 200 if info.status is not Status.RUNNING else 202, info)
@@ -245,6 +236,22 @@ class ResumeEndpoints:
             "Generation Already Ended",
             f"Generation {info.id} is {info.status.value}; there is nothing to stop.",
         )
+
+    async def _until_ended(self, info: GenerationInfo, patience: float) -> GenerationInfo:
+        """The generation as it stands once it ended, or after ``patience`` seconds: its
+        rest is followed as a resume reader follows it (woken by each change, where it runs
+        here; by the store's shared wake-up, where it runs on another replica), so nothing
+        polls. A store that cannot be followed is asked once more."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(patience):
+                try:
+                    async with contextlib.aclosing(self.backend.follow(info.id, info.size)) as rest:
+                        async for _ in rest:
+                            pass
+                except Exception:
+                    logger.debug("generation %s could not be followed to its end", info.id)
+        latest = await self.backend.get(info.id)
+        return info if latest is None else latest
 
     def _produced_here(self, generation_id: str) -> bool:
         """Whether this process produces the generation, so its live size is the truth."""

@@ -395,3 +395,50 @@ async def test_a_client_that_leaves_while_its_stop_cancels_the_work_changes_noth
     assert mw.counters.stopped == 1
     assert mw.counters.detached == 0
     assert mw.counters.disconnects == 1
+
+
+async def test_a_stop_waits_for_the_generations_end_without_asking_the_store_again_and_again() -> (
+    None
+):
+    """The work takes a moment to stop (its cleanup closes an upstream): the Stop answers
+    200 once it ended, woken by the end itself; the store is asked how it stands once before
+    and once after, not every few milliseconds meanwhile."""
+    closed = asyncio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield EVENT
+                await asyncio.sleep(0.01)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await asyncio.sleep(0.3)  # closing the upstream takes a while
+            closed.set()
+
+    @disconnect_policy("detach")
+    async def report(request: Request) -> StreamingResponse:
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/report", report)])
+    backend = MemoryBackend()
+    install(app, backend=backend)
+    asked: list[str] = []
+    get = backend.get
+
+    async def counted_get(generation_id: str) -> Any:
+        asked.append(generation_id)
+        return await get(generation_id)
+
+    backend.get = counted_get  # type: ignore[method-assign]
+    async with lifespan(app):
+        cut = await drive(app, path="/report", headers=ALICE, disconnect_after_bytes=200)
+        generation_id = cut.header("x-generation-id")
+        assert generation_id is not None
+        asked.clear()
+        stop = await drive(
+            app, method="POST", path=f"/generations/{generation_id}/cancel", headers=ALICE
+        )
+        assert closed.is_set(), "answered once the work ended"
+    assert stop.status == 200
+    assert decoded(stop)["status"] == "cancelled"
+    assert len(asked) == 2, asked  # the lookup before the Stop, the answer after it
