@@ -118,7 +118,7 @@ class DisconnectMiddleware:
         app: ASGIApp,
         *,
         backend: Backend | None = None,
-        policy: PolicySource = _POLICY_CANCEL,
+        policy: PolicySource = Policy.CANCEL,
         principal: Callable[[Scope], str | None] | None = None,
         resume_prefix: str | None = "/generations",
         exclude_paths: Sequence[str] = (),

@@ -18,6 +18,7 @@ from ._contract import METERED_ATTRIBUTE, content_kind
 from ._frames import error_frame, is_event_stream
 from ._log import HOLD_CHECK, Generation
 from ._policy import route_policy
+from ._problem import send_problem
 from ._records import Status
 from ._states import Client, Delivery
 from ._writer import MESSAGE_BYTES, ClientWriter
@@ -652,6 +653,13 @@ class Outbound:
         self.state.delivered_bytes += size
         if not self.expect_trailers:
             self.delivery = _DELIVERY_DONE
+
+    async def send_problem(
+        self, status: int, kind: str, title: str, detail: str, *, headers: list[Any]
+    ) -> None:
+        """Answer in one piece with a problem (the app's response never started)."""
+        self.delivery = _DELIVERY_DONE
+        await send_problem(self.send, status, kind, title, detail, headers=headers)
 
     def lagging(self) -> None:
         """The lag clock: the whole response's send waited ``max_lag_seconds``."""

@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING
 from ._contract import Ending, answered
 from ._errors import FirstTokenTimeout, IdleTimeout, UpstreamStatusError, UpstreamStreamError
 from ._frames import STOPPED, error_frame, is_event_stream
-from ._problem import send_problem
 from ._records import Status
-from ._states import Delivery
 
 if TYPE_CHECKING:
     from ._contract import RequestState
@@ -33,7 +31,6 @@ logger = logging.getLogger("asgi_disconnect")
 # Enum members read on the request's paths, bound once: on Python 3.11 a member's
 # lookup goes through EnumType.__getattr__ (~60 ns, ~200 instructions); see
 # docs/performance.md for what it costs per request and per chunk.
-_DELIVERY_DONE = Delivery.DONE
 _ENDING_CANCELLED = Ending.CANCELLED
 _ENDING_CUT = Ending.CUT
 _ENDING_DELIVERED = Ending.DELIVERED
@@ -158,8 +155,7 @@ class Outcome:
         generation = self.out.generation
         if generation is not None and generation.status is _STATUS_FAILED:
             return _ENDING_FAILED
-        delivery = writer.delivery if writer is not None else self.out.delivery
-        if delivery is _DELIVERY_DONE:
+        if self.out.handed():
             return _ENDING_DELIVERED
         return _ENDING_CUT
 
@@ -251,10 +247,8 @@ class Outcome:
             headers.append((b"retry-after", exc.retry_after.encode("latin-1")))
         out = self.out
         answered(out.scope, status)
-        out.delivery = _DELIVERY_DONE
         try:
-            await send_problem(
-                out.send,
+            await out.send_problem(
                 status,
                 exc.error_type.replace("_", "-"),
                 HTTPStatus(status).phrase,
