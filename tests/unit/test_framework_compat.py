@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from asgi_disconnect import BackendUnavailable, MemoryBackend, install, metered
 from asgi_disconnect.testing import drive, lifespan
-from tests.apps import Probe, http_scope, request_then_disconnect, sse_app
+from tests.apps import Probe, eventually, http_scope, request_then_disconnect, sse_app
 
 pytestmark = pytest.mark.anyio
 
@@ -333,11 +333,14 @@ async def test_an_error_the_apps_cleanup_raises_while_cancelled_reaches_the_call
                 raise failure
 
     app = Starlette(routes=[Route("/fail", metered()(failing))])
+    backend = MemoryBackend()
     if installed:
-        install(app, backend=MemoryBackend(), idempotency=True, drain=True)
+        install(app, backend=backend, idempotency=True, drain=True)
     if warm:
         assert (await drive(app, path="/fail")).status == 200
         entered = anyio.Event()
+        await asyncio.sleep(0.05)
+        backend.usage.clear()
 
     async def send(message: dict[str, Any]) -> None:
         pass
@@ -361,3 +364,11 @@ async def test_an_error_the_apps_cleanup_raises_while_cancelled_reaches_the_call
     assert cleaned.is_set()
     assert raised == [failure]
     assert isinstance(failure.__context__, anyio.get_cancelled_exc_class())
+    if installed:
+        # One usage record, and nothing stored claims a whole answer.
+        await eventually(lambda: backend.usage, timeout=5, what="the usage record")
+        await asyncio.sleep(0.05)
+        (record,) = backend.usage
+        assert record.outcome != "complete"
+        info = await backend.get(record.generation_id)
+        assert info is None or info.status.value != "complete"
