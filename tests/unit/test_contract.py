@@ -627,3 +627,35 @@ async def test_metering_alone_owns_its_lifespan() -> None:
         result = await drive(app, path="/cancel")
     assert result.status == 200
     assert len(records) == 1
+
+
+def test_a_usage_record_is_built_by_keyword_and_refuses_positions() -> None:
+    """``UsageRecord`` is keyword-only: a sink's test that still builds one by position gets
+    a TypeError that says so, not a record with its fields shifted."""
+    fields = {
+        "generation_id": "gen_1",
+        "principal": "p",
+        "method": "POST",
+        "route": "/v1/chat/completions",
+        "status_code": 200,
+        "provider": "openai_chat",
+        "model": "gpt-4o",
+        "outcome": "complete",
+        "input_tokens": 12,
+        "output_tokens": 30,
+        "usage_source": "provider",
+        "produced_bytes": 900,
+        "delivered_bytes": 900,
+        "produced_output_tokens": 30,
+        "delivered_output_tokens": 30,
+        "time_to_first_event": 0.2,
+        "duration": 1.5,
+        "finish_reason": "stop",
+        "error_type": None,
+        "started_at": 1_700_000_000.0,
+    }
+    record = UsageRecord(**fields)
+    assert record.delivery == "sent"
+    assert record.usage_note is None
+    with pytest.raises(TypeError, match="positional"):
+        UsageRecord(*fields.values())  # type: ignore[misc]
