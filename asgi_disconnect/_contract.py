@@ -362,6 +362,15 @@ class LiveLog(Protocol):
     def detached(self) -> bool: ...
     @property
     def finished_at(self) -> float | None: ...
+    @property
+    def continuation(self) -> tuple[str, bytes] | None:
+        """The upstream's name and what another replica needs to finish the generation
+        after this process is gone (``open_stream(..., continuation=...)``), or None."""
+
+    @property
+    def handed_over(self) -> bool:
+        """It ended here only to be finished by another replica (a drain handed it over):
+        its store row loses its owner instead of taking a final status."""
 
     # Called once when the generation ends: the store that keeps it accounts for it then.
     on_finish: Callable[[LiveLog], None] | None

@@ -90,8 +90,6 @@ READ_BACK_PAST = 16 << 10
 _LISTENER_SCANS = (0.01, 0.05, 0.25, 1.0, 3.0)
 
 
-
-
 class DisconnectMiddleware:
     """Makes a client disconnect a deliberate decision per route: cancel or detach.
 
@@ -735,11 +733,7 @@ class _Exchange:
                 return
         self._finish()
         drained = self.outcome.drained
-        if (
-            drained is not None
-            and self.out.generation is None
-            and self.client is _CLIENT_CONNECTED
-        ):
+        if drained is not None and self.out.generation is None and self.client is _CLIENT_CONNECTED:
             # A drain's deadline came before the app started its response: retry elsewhere.
             await send_problem(
                 self.out.send,

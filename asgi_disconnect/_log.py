@@ -74,6 +74,12 @@ class Generation:
     # Chunks before ``base_index`` (bytes before ``base``) were released (see ``release``).
     base = 0
     base_index = 0
+    # The upstream's name and the encoded continuation another replica would finish it with.
+    continuation: tuple[str, bytes] | None = None
+    # Which upstream call produces it: 1, or a later one after a takeover.
+    attempt = 1
+    # Ended here to be finished by another replica (a drain handed it over).
+    handed_over = False
     # Where the exchange's own frames (an error frame, say) began: the app's output ends there.
     frames_at: int | None = None
     # With a store that gives back what memory released (a durable backend): how much of
@@ -102,6 +108,36 @@ class Generation:
         self._headers = headers
         self.created_at = time.time_ns() // 1000 / 1e6  # now(), inlined: once per request
         self.chunks: list[bytes] = []
+
+    @classmethod
+    def adopted(
+        cls,
+        *,
+        generation_id: str,
+        principal: str,
+        size: int,
+        status_code: int,
+        content_type: str | None,
+        policy: str | None,
+        created_at: float,
+        attempt: int,
+    ) -> Generation:
+        """A generation taken over from another process: its first ``size`` bytes are in
+        the store (its first slot stands for them, released), and it goes on from there."""
+        generation = cls(
+            generation_id,
+            principal=principal,
+            status_code=status_code,
+            content_type=content_type,
+        )
+        generation.created_at = created_at
+        generation.policy = policy
+        generation.detached = True
+        generation.attempt = attempt
+        generation.chunks.append(_RELEASED)
+        generation.size = generation.base = size
+        generation.base_index = 1
+        return generation
 
     @property
     def content_type(self) -> str | None:

@@ -94,9 +94,7 @@ class Owner(Protocol):
         ...
 
 
-def response_kind(
-    scope: Scope, state: RequestState, chooses_policy: bool, message: Message
-) -> str:
+def response_kind(scope: Scope, state: RequestState, chooses_policy: bool, message: Message) -> str:
     """``generation`` when this request is one (its route chose a policy or metering, the
     middleware's policy is a callable, it detached, or its response is an event stream),
     ``json`` when its body must tell, else ``other``: not an LLM exchange, so nothing is

@@ -41,7 +41,6 @@ _STATUS_FAILED = Status.FAILED
 _STATUS_INTERRUPTED = Status.INTERRUPTED
 
 
-
 class Counters:
     """In-process counts of disconnect decisions."""
 

@@ -7,6 +7,7 @@ import enum
 import msgspec
 
 __all__ = [
+    "Adopted",
     "Claim",
     "ClaimState",
     "GenerationInfo",
@@ -41,6 +42,24 @@ class GenerationInfo(msgspec.Struct, frozen=True, kw_only=True):
     finished_at: float | None
     detached: bool
     error: str | None
+
+
+class Adopted(msgspec.Struct, frozen=True, kw_only=True):
+    """A detached generation this process took over from an owner whose lease lapsed (or
+    who handed it over): the store's row as it was when the database chose this process.
+
+    ``attempt`` is the fencing token: every later write of an earlier owner is refused.
+    ``size`` bytes are stored; the continuation appends from there."""
+
+    id: str
+    principal: str
+    attempt: int
+    size: int
+    status_code: int
+    content_type: str | None
+    policy: str | None
+    created_at: float
+    continuation: bytes
 
 
 class ClaimState(enum.StrEnum):
@@ -117,3 +136,6 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     detached: bool = False
     delivery: str = "sent"
     usage_note: str | None = None
+    attempt: int = 1
+    """Which upstream call of the generation this is: 1, or the n-th after takeovers (a
+    replica that finished it after its owner died), each with a record of its own."""

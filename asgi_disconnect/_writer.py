@@ -60,8 +60,6 @@ _Task = asyncio.Task
 _COROUTINE = types.CoroutineType
 
 
-
-
 # The largest body message the writer makes of chunks that wait: small enough that a
 # client's progress shows between messages, large enough to cost few sends.
 MESSAGE_BYTES = 1 << 20

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 
 from .._errors import BackendUnavailable
-from .._records import GenerationInfo, Status, UsageRecord
+from .._records import Adopted, GenerationInfo, Status, UsageRecord
 from ._bound import PendingBound
 from ._pending import PendingWrites
 from ._tails import StoreTails, TailSource
@@ -62,9 +62,20 @@ class SQLWrites(Protocol):
     """What the flush worker writes and asks: each flush's batch, the leases, the sweep of
     generations whose owner is gone, the reaper, and the Stops asked of this process."""
 
-    async def flush(self, batch: FlushBatch) -> None: ...
+    async def flush(self, batch: FlushBatch) -> list[str]:
+        """Write ``batch``; the ids whose chunks it refused, another process owning them."""
+
     async def heartbeat(self, owner: str, lease: float) -> None: ...
-    async def sweep(self, ttl: float) -> list[str]: ...
+    async def sweep(self, ttl: float, max_attempts: int = 1, grace: float = 0.0) -> list[str]:
+        """Mark lapsed generations ``interrupted``: at once those no replica can take over,
+        the others once ``grace`` seconds passed or their ``max_attempts`` ran out."""
+
+    async def take_over(
+        self, owner: str, lease: float, limit: int, upstreams: list[str], max_attempts: int
+    ) -> list[Adopted]:
+        """Make ``owner`` the owner of up to ``limit`` detached generations whose lease
+        lapsed, whose continuation names one of ``upstreams``; each goes to one caller."""
+
     async def reap(self, limit: int) -> int: ...
     async def cancel_requests(self, owner: str) -> list[str]: ...
 
@@ -160,6 +171,10 @@ class DurableBackend:
         reap_interval: float = 60.0,
         max_pending_usage: int = 100_000,
         max_pending_bytes: int = 64 << 20,
+        takeover_interval: float = 1.0,
+        max_takeovers: int = 16,
+        max_attempts: int = 3,
+        takeover_grace: float = 60.0,
     ) -> None:
         if not 0 < flush_interval <= 5:
             raise ValueError("flush_interval must be in (0, 5] seconds")
@@ -183,6 +198,10 @@ class DurableBackend:
             raise ValueError(
                 "ttl, sweep_interval, reap_interval and max_pending_usage must be positive"
             )
+        if takeover_interval <= 0 or takeover_grace < 0:
+            raise ValueError("takeover_interval must be positive and takeover_grace not negative")
+        if max_takeovers < 0 or max_attempts < 1:
+            raise ValueError("max_takeovers must be 0 or more and max_attempts 1 or more")
         self.max_pending_usage = max_pending_usage
         self.store = store
         self.url = store.url
@@ -205,6 +224,18 @@ class DurableBackend:
         self._failures = 0
         self._tails = StoreTails(store, self.url)
         self.on_cancel: Callable[[str], bool] | None = None
+        # Takeover: DisconnectMiddleware sets what it can continue (the upstreams registered
+        # here) and the hooks; every ``takeover_interval`` the worker asks the database for
+        # lapsed detached generations, up to ``max_takeovers`` running here at once.
+        self.takeover_interval = takeover_interval
+        self.max_takeovers = max_takeovers
+        self.max_attempts = max_attempts
+        self.takeover_grace = takeover_grace
+        self.upstreams: tuple[str, ...] = ()
+        self.on_takeover: Callable[[Adopted], None] | None = None
+        self.on_fenced: Callable[[str], None] | None = None
+        self.adopted: set[str] = set()  # taken over and running here
+        self.taking_over = True  # False once this process drains
         # Output produced here and not durable yet, across every generation, is bounded:
         # past ``max_pending_bytes`` the producers wait on the store, never on their clients.
         self.output = PendingBound(self._pending.pending_bytes, max_pending_bytes, self.url)
@@ -225,7 +256,7 @@ class DurableBackend:
             self._opening = None
             raise
         try:
-            interrupted = await self.store.sweep(self.ttl)
+            interrupted = await self.store.sweep(self.ttl, self.max_attempts, self.takeover_grace)
         except BaseException as exc:
             self._opening = None
             with contextlib.suppress(Exception):
@@ -342,7 +373,7 @@ class DurableBackend:
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
-        next_heartbeat = next_sweep = next_cancel = loop.time()
+        next_heartbeat = next_sweep = next_cancel = next_takeover = loop.time()
         next_reap = loop.time() + self.reap_interval
         while True:
             started = loop.time()
@@ -363,8 +394,12 @@ class DurableBackend:
                 if started >= next_heartbeat:
                     await self.store.heartbeat(self.owner, self.lease)
                     next_heartbeat = started + self.lease / 3
+                if started >= next_takeover:
+                    await self._take_over()
+                    next_takeover = started + self.takeover_interval
                 if started >= next_sweep:
-                    for generation_id in await self.store.sweep(self.ttl):
+                    swept = await self.store.sweep(self.ttl, self.max_attempts, self.takeover_grace)
+                    for generation_id in swept:
                         logger.warning(
                             "generation %s interrupted: its owner is gone", generation_id
                         )
@@ -412,12 +447,70 @@ class DurableBackend:
             batch, more, done = self._pending.take(self.flush_max_bytes)
             if batch:
                 try:
-                    await self.store.flush(batch)
+                    fenced = await self.store.flush(batch)
                 except BaseException:
                     self._pending.failed(batch)
                     raise
                 self._pending.committed(batch, done)
+                for generation_id in fenced:
+                    self._fenced(generation_id)
             return batch.rows(), more
+
+    # -- takeover -------------------------------------------------------------------------
+
+    async def _take_over(self) -> None:
+        """Take over lapsed detached generations this process can continue, if it has room."""
+        on_takeover = self.on_takeover
+        room = self.max_takeovers - len(self.adopted)
+        if on_takeover is None or not self.upstreams or not self.taking_over or room <= 0:
+            return
+        taken = await self.store.take_over(
+            self.owner, self.lease, room, list(self.upstreams), self.max_attempts
+        )
+        for adopted in taken:
+            logger.warning(
+                "generation %s: its owner is gone; taken over here as attempt %d",
+                adopted.id,
+                adopted.attempt,
+            )
+            self.adopted.add(adopted.id)
+            on_takeover(adopted)
+
+    def adopt(self, generation: LiveLog, size: int) -> None:
+        """Write what a taken-over ``generation`` appends after its stored ``size`` bytes."""
+        self._pending.adopt(generation, size)
+        generation.hold = self.output
+
+    def adopted_ended(self, generation_id: str) -> None:
+        self.adopted.discard(generation_id)
+
+    def _fenced(self, generation_id: str) -> None:
+        """Another process owns the generation now: nothing more of it is written from here,
+        and its work here stops."""
+        self._pending.drop(generation_id)
+        logger.warning(
+            "generation %s: another replica took it over; stopped here, nothing more of it "
+            "is written from this process",
+            generation_id,
+        )
+        on_fenced = self.on_fenced
+        if on_fenced is not None:
+            on_fenced(generation_id)
+
+    async def read_all(self, generation_id: str, size: int) -> bytes:
+        """The first ``size`` bytes of a generation, as the store holds them."""
+        await self._ensure_open()
+        parts: list[bytes] = []
+        offset = 0
+        while offset < size:
+            data = await self.store.read(generation_id, offset, 1 << 20)
+            if not data:
+                raise BackendUnavailable(
+                    f"{self.url} holds {offset} of the {size} bytes of generation {generation_id}"
+                )
+            parts.append(data)
+            offset += len(data)
+        return b"".join(parts)[:size]
 
     # -- reads --------------------------------------------------------------------------
 

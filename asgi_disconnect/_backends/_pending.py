@@ -38,6 +38,11 @@ class FlushBatch:
     chunks: list[tuple[str, int, bytes, bytes]] = field(default_factory=list)
     # (id, policy, detached)
     changed: list[tuple[str, str | None, bool]] = field(default_factory=list)
+    # (id, upstream, continuation): what another replica needs to finish it (a detached
+    # relay opened with ``open_stream(..., continuation=...)``)
+    continued: list[tuple[str, str, bytes]] = field(default_factory=list)
+    # ids handed over (a drain): their rows lose their owner, for another replica to take
+    released: list[str] = field(default_factory=list)
     # (id, status, size, error, finished_at)
     finished: list[tuple[str, str, int, str | None, float]] = field(default_factory=list)
     # (generation_id, principal, route, outcome, input_tokens, output_tokens, usage_source,
@@ -46,7 +51,15 @@ class FlushBatch:
     usage: list[UsageRow] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.created or self.chunks or self.changed or self.finished or self.usage)
+        return bool(
+            self.created
+            or self.chunks
+            or self.changed
+            or self.continued
+            or self.released
+            or self.finished
+            or self.usage
+        )
 
     def rows(self) -> int:
         """How many rows the flush writes."""
@@ -54,6 +67,8 @@ class FlushBatch:
             len(self.created)
             + len(self.chunks)
             + len(self.changed)
+            + len(self.continued)
+            + len(self.released)
             + len(self.finished)
             + len(self.usage)
         )
@@ -78,21 +93,31 @@ def usage_row(record: UsageRecord) -> UsageRow:
         record.output_tokens,
         record.usage_source,
         msgspec.json.encode(record),
-        # One record per request: its generation id, or (metering alone) an id of its own.
-        record.generation_id or "req_" + secrets.token_hex(12),
+        # One record per request: its generation id (and attempt, after a takeover), or
+        # (metering alone) an id of its own.
+        _request_id(record),
     )
+
+
+def _request_id(record: UsageRecord) -> str:
+    generation_id = record.generation_id
+    if generation_id is None:
+        return "req_" + secrets.token_hex(12)
+    return generation_id if record.attempt == 1 else f"{generation_id}#{record.attempt}"
 
 
 class _Tracked:
     """A live generation and how much of it is already durable."""
 
-    __slots__ = ("chunks", "created", "generation", "meta", "size", "unsure")
+    __slots__ = ("chunks", "continued", "created", "generation", "meta", "size", "unsure")
 
-    def __init__(self, generation: LiveLog) -> None:
+    def __init__(self, generation: LiveLog, *, size: int = 0, chunks: int = 0) -> None:
         self.generation = generation
-        self.created = False
-        self.chunks = 0
-        self.size = 0
+        # An adopted generation (taken over) exists in the store with ``size`` bytes.
+        self.created = size > 0 or chunks > 0
+        self.chunks = chunks
+        self.size = size
+        self.continued = False
         self.meta: tuple[str | None, bool] = (generation.policy, generation.detached)
         # Chunk rows (start, data, sizes) of a flush that failed or was cancelled, which
         # may have committed all the same: sent again exactly as they were, so that ``on
@@ -129,6 +154,19 @@ class PendingWrites:
 
     def track(self, generation: LiveLog) -> None:
         self._live[generation.id] = _Tracked(generation)
+
+    def adopt(self, generation: LiveLog, size: int) -> None:
+        """Track a generation taken over: its row and its first ``size`` bytes are stored
+        (its log's first slot stands for them), so only what it appends is written."""
+        tracked = _Tracked(generation, size=size, chunks=1)
+        tracked.created = True
+        tracked.continued = True
+        self._live[generation.id] = tracked
+
+    def drop(self, generation_id: str) -> LiveLog | None:
+        """Forget a generation another process now owns (fenced): nothing of it is written."""
+        tracked = self._live.pop(generation_id, None)
+        return None if tracked is None else tracked.generation
 
     def live(self, generation_id: str) -> LiveLog | None:
         """The generation, if this process produces it and it is not all written yet."""
@@ -217,12 +255,18 @@ class PendingWrites:
             meta = (generation.policy, generation.detached)
             if tracked.created and meta != tracked.meta:
                 batch.changed.append((generation.id, meta[0], meta[1]))
+            if not tracked.continued and generation.continuation is not None:
+                upstream, continuation = generation.continuation
+                batch.continued.append((generation.id, upstream, continuation))
             if not running and complete:
-                info = generation.info()
-                assert info.finished_at is not None
-                batch.finished.append(
-                    (info.id, info.status.value, start, info.error, info.finished_at)
-                )
+                if generation.handed_over:
+                    batch.released.append(generation.id)
+                else:
+                    info = generation.info()
+                    assert info.finished_at is not None
+                    batch.finished.append(
+                        (info.id, info.status.value, start, info.error, info.finished_at)
+                    )
                 done.append(tracked)
         batch.usage, self._usage = self._usage, []
         return batch, more, done
@@ -250,6 +294,10 @@ class PendingWrites:
             tracked = self._live.get(generation_id)
             if tracked is not None:
                 tracked.meta = (policy, detached)
+        for generation_id, _, _ in batch.continued:
+            tracked = self._live.get(generation_id)
+            if tracked is not None:
+                tracked.continued = True
         for tracked in done:
             self._live.pop(tracked.generation.id, None)
 

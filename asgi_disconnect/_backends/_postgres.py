@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from .._errors import BackendUnavailable
-from .._records import Claim, ClaimState, GenerationInfo, StoredResponse
+from .._records import Adopted, Claim, ClaimState, GenerationInfo, StoredResponse
 from ._pending import FlushBatch
-from ._rows import claim_from_row, encode_response, info_from_row, join_from
+from ._rows import adopted_from_row, claim_from_row, encode_response, info_from_row, join_from
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -298,13 +298,29 @@ class PostgresStore:
 
     # -- writes ---------------------------------------------------------------------
 
-    async def flush(self, batch: FlushBatch) -> None:
+    async def flush(self, batch: FlushBatch) -> list[str]:
         # Whatever the batch holds, in order, in one round trip (asgi_disconnect_flush).
         payloads = _notifications(sorted(batch.touched()))
-        await self.pool.execute(self._sql["flush"], *_flush_arrays(batch), self.channel, payloads)
+        fenced = await self.pool.fetchval(
+            self._sql["flush"],
+            *_flush_arrays(batch),
+            self.channel,
+            payloads,
+            *_columns(batch.continued, 0, 1, 2),
+            batch.released,
+        )
+        return list(fenced or ())
 
     async def heartbeat(self, owner: str, lease: float) -> None:
         await self.pool.execute(self._sql["heartbeat"], owner, lease)
+
+    async def take_over(
+        self, owner: str, lease: float, limit: int, upstreams: list[str], max_attempts: int
+    ) -> list[Adopted]:
+        rows = await self.pool.fetch(
+            self._sql["take_over"], owner, lease, limit, upstreams, max_attempts
+        )
+        return [adopted_from_row(row) for row in rows]
 
     # -- claims -----------------------------------------------------------------------
 
@@ -362,8 +378,8 @@ class PostgresStore:
         status = await self.pool.execute(self._sql["release_claim"], principal, key, owner)
         return bool(status == "DELETE 1")
 
-    async def sweep(self, ttl: float) -> list[str]:
-        rows = await self.pool.fetch(self._sql["sweep"], ttl)
+    async def sweep(self, ttl: float, max_attempts: int = 1, grace: float = 0.0) -> list[str]:
+        rows = await self.pool.fetch(self._sql["sweep"], ttl, max_attempts, grace)
         ids = [row[0] for row in rows]
         if ids:
             await self.pool.execute("select pg_notify($1, $2)", self.channel, ",".join(ids)[:7000])
@@ -482,6 +498,9 @@ create table if not exists {t}generations (
 );
 alter table {t}generations add column if not exists
     cancel_requested boolean not null default false;
+alter table {t}generations add column if not exists attempt integer not null default 1;
+alter table {t}generations add column if not exists upstream text;
+alter table {t}generations add column if not exists continuation bytea;
 create index if not exists asgi_disconnect_generations_lease
     on {t}generations (status, lease_until);
 create index if not exists asgi_disconnect_generations_expiry
@@ -548,8 +567,11 @@ create or replace function {t}flush(
     u_input_tokens int[], u_output_tokens int[], u_source text[], u_record text[],
     u_request_id text[],
     f_id text[], f_status text[], f_size bigint[], f_error text[], f_finished_at float8[],
-    w_ttl float8, n_channel text, n_payloads text[]
-) returns void language plpgsql as $flush$
+    w_ttl float8, n_channel text, n_payloads text[],
+    t_id text[], t_upstream text[], t_continuation bytea[], r_id text[]
+) returns text[] language plpgsql as $flush$
+declare
+    fenced text[] := '{{}}';
 begin
     if cardinality(c_id) > 0 then
         insert into {t}generations
@@ -564,12 +586,32 @@ begin
         on conflict (id) do nothing;
     end if;
     if cardinality(k_id) > 0 then
-        insert into {t}chunks (generation_id, start, data, sizes)
-        select * from unnest(k_id, k_start, k_data, k_sizes)
-        on conflict do nothing;
-        update {t}generations g set size = r.size
-        from unnest(s_id, s_size) as r(id, size)
-        where g.id = r.id and g.size < r.size;
+        -- Fenced: only the generation's owner appends. The update locks each row first, so
+        -- a takeover either waits for this flush or sees the owner changed, and re-checks
+        -- the owner on the row's newest version; a generation it skips is another's now.
+        with owned as (
+            update {t}generations g set size = greatest(g.size, r.size)
+            from unnest(s_id, s_size) as r(id, size)
+            where g.id = r.id and g.owner = w_owner and g.status = 'running'
+            returning g.id
+        ), appended as (
+            insert into {t}chunks (generation_id, start, data, sizes)
+            select k.* from unnest(k_id, k_start, k_data, k_sizes) as k(id, start, data, sizes)
+            where k.id in (select id from owned)
+            on conflict do nothing
+        )
+        select coalesce(array_agg(r.id), '{{}}') into fenced
+        from unnest(s_id) as r(id) where r.id not in (select id from owned);
+    end if;
+    if cardinality(t_id) > 0 then
+        update {t}generations g set upstream = r.upstream, continuation = r.continuation
+        from unnest(t_id, t_upstream, t_continuation) as r(id, upstream, continuation)
+        where g.id = r.id and g.owner = w_owner;
+    end if;
+    if cardinality(r_id) > 0 then
+        -- Handed over (a drain): no owner, its lease lapsed, for another replica to take.
+        update {t}generations set owner = null, lease_until = now()
+        where id = any(r_id) and owner = w_owner and status = 'running';
     end if;
     if cardinality(h_id) > 0 then
         update {t}generations g set policy = r.policy, detached = r.detached
@@ -597,13 +639,14 @@ begin
         where g.id = r.id and g.owner = w_owner and g.status = 'running';
     end if;
     perform pg_notify(n_channel, payload) from unnest(n_payloads) as payload;
+    return fenced;
 end
 $flush$;
 """
 
 
 def _statements(t: str) -> dict[str, str]:
-    flush_args = ", ".join(f"${n}" for n in range(1, 36))
+    flush_args = ", ".join(f"${n}" for n in range(1, 40))
     return {
         "flush": f"select {t}flush({flush_args})",
         "heartbeat": f"""
@@ -613,9 +656,30 @@ def _statements(t: str) -> dict[str, str]:
             update {t}generations
             set status = 'interrupted', finished_at = now(),
                 expires_at = now() + make_interval(secs => $1), lease_until = null,
-                error = 'its owner stopped renewing its lease'
-            where status = 'running' and lease_until < now()
+                error = case when continuation is null or not detached
+                    then 'its owner stopped renewing its lease'
+                    else 'its owner stopped renewing its lease and no replica took it over '
+                         '(none has its upstream ' || quote_literal(upstream)
+                         || ' registered, or its attempts ran out)' end
+            where status = 'running'
+              and lease_until < now()
+              and (continuation is null or not detached or attempt >= $2
+                   or lease_until < now() - make_interval(secs => $3))
             returning id""",
+        "take_over": f"""
+            update {t}generations g
+            set owner = $1, attempt = g.attempt + 1,
+                lease_until = now() + make_interval(secs => $2)
+            from (
+                select id from {t}generations
+                where status = 'running' and detached and continuation is not null
+                  and upstream = any($4::text[]) and lease_until < now() and attempt < $5
+                order by lease_until limit $3
+                for update skip locked
+            ) as lapsed
+            where g.id = lapsed.id
+            returning g.id, g.principal, g.attempt, g.size, g.status_code, g.content_type,
+                      g.policy, extract(epoch from g.created_at)::float8, g.continuation""",
         "claim": f"""
             insert into {t}claims
                 (principal, key, fingerprint, owner, process, status, lease_until, expires_at)

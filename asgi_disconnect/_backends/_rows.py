@@ -10,9 +10,25 @@ from typing import Any
 
 import msgspec
 
-from .._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse
+from .._records import Adopted, Claim, ClaimState, GenerationInfo, Status, StoredResponse
 
-__all__ = ["claim_from_row", "encode_response", "info_from_row", "join_from"]
+__all__ = ["adopted_from_row", "claim_from_row", "encode_response", "info_from_row", "join_from"]
+
+
+def adopted_from_row(row: Any) -> Adopted:
+    """A generation row taken over (id, principal, attempt, size, status_code, content_type,
+    policy, created_at, continuation)."""
+    return Adopted(
+        id=row[0],
+        principal=row[1],
+        attempt=row[2],
+        size=row[3],
+        status_code=row[4],
+        content_type=row[5],
+        policy=row[6],
+        created_at=row[7],
+        continuation=bytes(row[8]),
+    )
 
 
 def encode_response(response: StoredResponse) -> bytes:

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._errors import BackendUnavailable
-from .._records import Claim, ClaimState, GenerationInfo, StoredResponse
+from .._records import Adopted, Claim, ClaimState, GenerationInfo, StoredResponse
 from ._pending import FlushBatch
-from ._rows import claim_from_row, encode_response, info_from_row, join_from
+from ._rows import adopted_from_row, claim_from_row, encode_response, info_from_row, join_from
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -50,7 +50,10 @@ create table if not exists asgi_disconnect_generations (
     finished_at real,
     expires_at real,
     error text,
-    cancel_requested integer not null default 0
+    cancel_requested integer not null default 0,
+    attempt integer not null default 1,
+    upstream text,
+    continuation blob
 );
 create index if not exists asgi_disconnect_generations_lease
     on asgi_disconnect_generations (status, lease_until);
@@ -106,6 +109,12 @@ create table if not exists asgi_disconnect_pins (
 ) without rowid;
 create index if not exists asgi_disconnect_pins_expiry on asgi_disconnect_pins (expires_at);
 """
+
+_TAKEOVER_COLUMNS = (
+    ("attempt", "integer not null default 1"),
+    ("upstream", "text"),
+    ("continuation", "blob"),
+)
 
 # One statement: the live binding, renewed; or a new one to ``provider`` if none lives.
 _PIN = f"""
@@ -263,6 +272,12 @@ class SQLiteStore:
                     "alter table asgi_disconnect_generations "
                     "add column cancel_requested integer not null default 0"
                 )
+            # Takeover (a file made before it): the attempt is the fencing token.
+            for column, kind in _TAKEOVER_COLUMNS:
+                if column not in columns:
+                    db.execute(
+                        f"alter table asgi_disconnect_generations add column {column} {kind}"
+                    )
             _index_chunks(db)
             columns = {row[1] for row in db.execute("pragma table_info(asgi_disconnect_usage)")}
             if "request_id" not in columns:
@@ -348,8 +363,8 @@ class SQLiteStore:
         db.execute("commit")
         return result
 
-    async def flush(self, batch: FlushBatch) -> None:
-        await self._run(self._write, lambda db: _flush(db, batch))
+    async def flush(self, batch: FlushBatch) -> list[str]:
+        return await self._run(self._write, lambda db: _flush(db, batch))
 
     async def heartbeat(self, owner: str, lease: float) -> None:
         def renew(db: sqlite3.Connection) -> None:
@@ -361,18 +376,46 @@ class SQLiteStore:
 
         await self._run(self._write, renew)
 
-    async def sweep(self, ttl: float) -> list[str]:
+    async def sweep(self, ttl: float, max_attempts: int = 1, grace: float = 0.0) -> list[str]:
         def interrupt(db: sqlite3.Connection) -> list[str]:
             rows = db.execute(
                 f"update asgi_disconnect_generations set status = 'interrupted', "
                 f"finished_at = {_NOW}, expires_at = {_NOW} + ?, lease_until = null, "
-                "error = 'its owner stopped renewing its lease' "
-                f"where status = 'running' and lease_until < {_NOW} returning id",
-                (ttl,),
+                "error = case when continuation is null or not detached "
+                "then 'its owner stopped renewing its lease' "
+                "else 'its owner stopped renewing its lease and no replica took it over "
+                "(none has its upstream ' || quote(upstream) || ' registered, or its "
+                "attempts ran out)' end "
+                f"where status = 'running' and lease_until < {_NOW} "
+                "and (continuation is null or not detached or attempt >= ? "
+                f"or lease_until < {_NOW} - ?) returning id",
+                (ttl, max_attempts, grace),
             ).fetchall()
             return [row[0] for row in rows]
 
         return await self._run(self._write, interrupt)
+
+    async def take_over(
+        self, owner: str, lease: float, limit: int, upstreams: list[str], max_attempts: int
+    ) -> list[Adopted]:
+        def take(db: sqlite3.Connection) -> list[Adopted]:
+            marks = ",".join("?" * len(upstreams))
+            rows = db.execute(
+                f"update asgi_disconnect_generations "
+                f"set owner = ?, attempt = attempt + 1, lease_until = {_NOW} + ? "
+                "where id in (select id from asgi_disconnect_generations "
+                "where status = 'running' and detached and continuation is not null "
+                f"and upstream in ({marks}) and lease_until < {_NOW} and attempt < ? "
+                "order by lease_until limit ?) "
+                "returning id, principal, attempt, size, status_code, content_type, policy, "
+                "created_at, continuation",
+                (owner, lease, *upstreams, max_attempts, limit),
+            ).fetchall()
+            return [adopted_from_row(row) for row in rows]
+
+        if not upstreams:
+            return []
+        return await self._run(self._write, take)
 
     async def reap(self, limit: int) -> int:
         def delete(db: sqlite3.Connection) -> int:
@@ -668,7 +711,8 @@ def _request_cancel(generation_id: str, db: sqlite3.Connection) -> bool:
     return cursor.rowcount > 0
 
 
-def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:
+def _flush(db: sqlite3.Connection, batch: FlushBatch) -> list[str]:
+    """Write ``batch``; the generations whose chunks it refused: another process owns them."""
     if batch.created:
         db.executemany(
             "insert into asgi_disconnect_generations (id, principal, status, policy, detached, "
@@ -680,19 +724,44 @@ def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:
                 for gid, principal, code, ctype, policy, detached, at in batch.created
             ],
         )
+    fenced: list[str] = []
     if batch.chunks:
+        ends: dict[str, int] = {}
+        for generation_id, start, data, _ in batch.chunks:
+            ends[generation_id] = start + len(data)
+        # Fenced: only the generation's owner appends (one writer at a time: no race).
+        marks = ",".join("?" * len(ends))
+        owned = {
+            row[0]
+            for row in db.execute(
+                f"select id from asgi_disconnect_generations where id in ({marks}) "
+                "and owner = ? and status = 'running'",
+                (*ends, batch.owner),
+            )
+        }
+        fenced = [gid for gid in ends if gid not in owned]
         db.executemany(
             "insert into asgi_disconnect_chunks (generation_id, start, data, sizes) "
             "values (?, ?, ?, ?) "
             "on conflict do nothing",
-            batch.chunks,
+            [row for row in batch.chunks if row[0] in owned],
         )
-        ends: dict[str, int] = {}
-        for generation_id, start, data, _ in batch.chunks:
-            ends[generation_id] = start + len(data)
         db.executemany(
             "update asgi_disconnect_generations set size = ? where id = ? and size < ?",
-            [(end, gid, end) for gid, end in ends.items()],
+            [(end, gid, end) for gid, end in ends.items() if gid in owned],
+        )
+    if batch.continued:
+        db.executemany(
+            "update asgi_disconnect_generations set upstream = ?, continuation = ? "
+            "where id = ? and owner = ?",
+            [(upstream, data, gid, batch.owner) for gid, upstream, data in batch.continued],
+        )
+    if batch.released:
+        # Handed over (a drain): no owner, its lease lapsed, for another process to take.
+        db.executemany(
+            f"update asgi_disconnect_generations set owner = null, lease_until = {_NOW} "
+            "where id = ? and owner = ? and status = 'running'",
+            [(gid, batch.owner) for gid in batch.released],
         )
     if batch.changed:
         db.executemany(
@@ -718,3 +787,4 @@ def _flush(db: sqlite3.Connection, batch: FlushBatch) -> None:
                 for gid, status, size, error, at in batch.finished
             ],
         )
+    return fenced

@@ -491,6 +491,11 @@ async def test_a_postgres_flush_of_any_shape_is_one_round_trip(
                 calls.append(str(args[0]))
             return await super().fetch(*args, **kwargs)
 
+        async def fetchval(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if "asgi_disconnect" in str(args[0]):  # not asyncpg's reset of a pool of yours
+                calls.append(str(args[0]))
+            return await super().fetchval(*args, **kwargs)
+
     pool = await asyncpg.create_pool(postgres_dsn, min_size=1, max_size=3, connection_class=Counted)
     schema = postgres_url.rsplit("schema=", 1)[1]
     backend = connect("postgresql://", pool=pool, schema=schema, flush_interval=3, lease=30)
