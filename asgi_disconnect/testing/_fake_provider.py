@@ -19,18 +19,26 @@ import socket
 import struct
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Coroutine
     from types import TracebackType
 
 __all__ = ["GARBAGE", "FakeProvider", "Fault", "FaultKind", "ProviderRequest"]
 
 OPENAI_CHAT = "openai_chat"
 ANTHROPIC_MESSAGES = "anthropic_messages"
-_ROUTES = {"/v1/chat/completions": OPENAI_CHAT, "/v1/messages": ANTHROPIC_MESSAGES}
+OPENAI_RESPONSES = "openai_responses"
+_ROUTES = {
+    "/v1/chat/completions": OPENAI_CHAT,
+    "/v1/messages": ANTHROPIC_MESSAGES,
+    "/v1/responses": OPENAI_RESPONSES,
+}
+# GET /v1/responses/{id} and POST /v1/responses/{id}/cancel
+_RESPONSE_PATH = re.compile(r"/v1/responses/([^/]+)(/cancel)?")
 _MAX_HEAD = 64 * 1024
 _MAX_BODY = 16 * 1024 * 1024
 _REASONS = {
@@ -208,7 +216,10 @@ class ProviderRequest:
     the client hung up, or the server stopped. `tokens_generated` counts tokens produced so far
     (for a non-streaming call they are only sent, all at once, at the end). `fault` is the
     fault chosen for this call (the ``x-fake-fault`` header, else the provider's), and
-    `fault_applied` whether the response got that far and misbehaved.
+    `fault_applied` whether the response got that far and misbehaved. `response_id` is the
+    Responses API response a call made, read or cancelled (``resp_fake_1``), else None: a
+    background response goes on generating after its POST hung up, and a re-attached GET
+    generates nothing (`FakeProvider.output_tokens` sums a response's tokens over its calls).
     """
 
     def __init__(
@@ -223,8 +234,10 @@ class ProviderRequest:
         tokens_planned: int,
         fault: Fault | None,
         signal: _Signal,
+        response_id: str | None = None,
     ) -> None:
         self.id = id
+        self.response_id = response_id
         self.connection_id = connection_id
         self.path = path
         self.api = api
@@ -296,6 +309,11 @@ class _Plan:
     fault: Fault | None
     # The token index at which a reset, stall, garbage or truncate fault strikes.
     fault_at: int | None
+    # What each token says: ``tok{i} `` for i in range(tokens), or what is left of that text
+    # after a prefix the request gave (continue_final_message, Anthropic prefill).
+    texts: tuple[str, ...] = ()
+    # Tokens the request's prefix adds to the input tokens billed.
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -305,6 +323,7 @@ class _HttpRequest:
     headers: dict[str, str]
     body: bytes
     keep_alive: bool
+    query: str = ""
 
 
 class _HttpError(Exception):
@@ -362,6 +381,94 @@ def _error_json(api: str, status: int, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
+class _Refused(Exception):
+    """A request the provider refuses with ``status`` and its own JSON error ``payload``."""
+
+    def __init__(self, status: int, payload: dict[str, Any]) -> None:
+        super().__init__(status, payload)
+        self.status = status
+        self.payload = payload
+
+
+# vLLM's ChatCompletionRequest.check_generation_prompt (vllm/entrypoints/openai/protocol.py),
+# answered as a 400 in vLLM's error shape.
+_VLLM_BOTH_FLAGS = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+
+
+def _vllm_error(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+
+
+# Anthropic's 400 invalid_request_error messages, as the API returns them (quoted in many
+# client bug reports): a final assistant message is a prefill the answer continues.
+_ANTHROPIC_TRAILING_WHITESPACE = (
+    "messages: final assistant content cannot end with trailing whitespace"
+)
+_ANTHROPIC_THINKING_PREFILL = (
+    "Expected `thinking` or `redacted_thinking`, but found `text`. When `thinking` is enabled,"
+    " a final `assistant` message must start with a thinking block (preceeding the lastmost set"
+    " of `tool_use` and `tool_result` blocks). We recommend you include thinking blocks from"
+    " previous turns. To avoid this requirement, disable `thinking`. Please consult our"
+    " documentation at https://docs.claude.com/en/docs/build-with-claude/extended-thinking"
+)
+_ANTHROPIC_NO_PREFILL = (
+    "This model does not support assistant message prefill."
+    " The conversation must end with a user message."
+)
+# Anthropic's migration guide: "Prefilling assistant messages returns a 400 error on Claude
+# 4.6 models" (Opus 4.6, Sonnet 4.6).
+DEFAULT_PREFILL_REFUSED_MODELS = frozenset({"claude-opus-4-6", "claude-sonnet-4-6"})
+
+
+def _anthropic_invalid(message: str) -> dict[str, Any]:
+    return _error_json(ANTHROPIC_MESSAGES, 400, message)
+
+
+def _model_in(model: str, names: frozenset[str]) -> bool:
+    """``model`` is one of ``names`` or a dated version of one (``claude-opus-4-6-20260101``)."""
+    return any(model == name or model.startswith(name + "-") for name in names)
+
+
+def _text_of(content: object) -> str:
+    """A message's text: a string, or the text of its text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
+# How this fake tokenizes any text: a piece ends after each space, and a last piece may have
+# none; "tok0 tok1 to" is the three tokens "tok0 ", "tok1 " and "to".
+_PIECES = re.compile(r"[^ ]* |[^ ]+")
+
+
+def _continuation(prefix: str, tokens: int) -> tuple[tuple[str, ...], int]:
+    """What an answer of ``tokens`` tokens streams after ``prefix``, and the prefix's tokens.
+
+    When the prefix starts the whole text T (``tok0 tok1 … tok{n-1} ``), the rest of T, split
+    where T's tokens end (the first piece may be the rest of a token the prefix cut). Otherwise
+    the answer goes on from as many tokens as the prefix has whole (space-ended) pieces: after
+    "hello world " it streams ``tok2 tok3 …``.
+    """
+    full = [_token_text(index) for index in range(tokens)]
+    pieces = _PIECES.findall(prefix)
+    if "".join(full).startswith(prefix):
+        rest: list[str] = []
+        consumed = 0
+        for text in full:
+            if consumed + len(text) > len(prefix):
+                rest.append(text[max(len(prefix) - consumed, 0) :])
+            consumed += len(text)
+        return tuple(rest), len(pieces)
+    whole = sum(1 for piece in pieces if piece.endswith(" "))
+    return tuple(full[whole:]), len(pieces)
+
+
 def _fault_message(api: str, status: int, model: str) -> str:
     """What the provider says for that status, near enough to the real messages."""
     if status == 429:
@@ -382,7 +489,7 @@ def _fault_message(api: str, status: int, model: str) -> str:
 
 class _Format(Protocol):
     def preamble(self) -> list[bytes]: ...
-    def token(self, index: int) -> bytes: ...
+    def token(self, text: str) -> bytes: ...
     def epilogue(self, plan: _Plan) -> list[bytes]: ...
     def error_frame(self) -> bytes: ...
     def error_response(self) -> tuple[int, dict[str, Any]]: ...
@@ -424,8 +531,8 @@ class _OpenAIChat:
         delta = {"role": "assistant", "content": "", "refusal": None}
         return [self._event(self._choice(delta, None))]
 
-    def token(self, index: int) -> bytes:
-        return self._event(self._choice({"content": _token_text(index)}, None))
+    def token(self, text: str) -> bytes:
+        return self._event(self._choice({"content": text}, None))
 
     def epilogue(self, plan: _Plan) -> list[bytes]:
         finish = "length" if plan.cut_by_max_tokens else "stop"
@@ -444,7 +551,7 @@ class _OpenAIChat:
         return 500, _error_json(OPENAI_CHAT, 500, message)
 
     def complete(self, plan: _Plan) -> dict[str, Any]:
-        text = "".join(_token_text(index) for index in range(plan.tokens))
+        text = "".join(plan.texts)
         return {
             "id": self._id,
             "object": "chat.completion",
@@ -507,8 +614,8 @@ class _AnthropicMessages:
             self._event("ping", b'{"type": "ping"}'),
         ]
 
-    def token(self, index: int) -> bytes:
-        delta = {"type": "text_delta", "text": _token_text(index)}
+    def token(self, text: str) -> bytes:
+        delta = {"type": "text_delta", "text": text}
         return self._event(
             "content_block_delta",
             _dumps({"type": "content_block_delta", "index": 0, "delta": delta}),
@@ -530,9 +637,241 @@ class _AnthropicMessages:
         return 529, _error_json(ANTHROPIC_MESSAGES, 529, "Overloaded")
 
     def complete(self, plan: _Plan) -> dict[str, Any]:
-        text = "".join(_token_text(index) for index in range(plan.tokens))
+        text = "".join(plan.texts)
         message = self._message([{"type": "text", "text": text}], self._stop_reason(plan))
         return {**message, "usage": self._usage(plan.tokens)}
+
+
+# OpenAI Responses API (POST /v1/responses). The stream's events follow a recorded real one
+# (tests/data/openai_responses_text.sse) plus the `sequence_number` every event now carries.
+_DELTA_EVENT = b"event: response.output_text.delta\n"
+_TERMINAL = ("completed", "incomplete", "cancelled", "failed")
+# OpenAI's 404 for an unknown or expired response id (as quoted by a user of the API).
+_RESPONSE_NOT_FOUND = "Response with id '{}' not found."
+# OpenAI's 400 for GET ?stream=true on a response made without background=true (the body is
+# quoted in openai/openai-ruby#214).
+_NOT_STREAMABLE = (
+    "This response cannot be streamed because it was not created with background=true."
+)
+# Not verified: the wording of OpenAI's refusals of background without store, and of a cancel
+# of a response made without background, was not found; the rules themselves are documented.
+_BACKGROUND_NEEDS_STORE = "Background mode requires store=true."
+_CANCEL_NOT_BACKGROUND = "Only responses created with background=true can be cancelled."
+
+
+def _openai_error(
+    message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}
+    }
+
+
+class _ResponseRun:
+    """One Responses API response: the events generated so far (each one whole SSE event, kept
+    so a re-attached reader gets the very bytes the first one got), its status and the task
+    generating it. Lives on the provider's event loop."""
+
+    def __init__(
+        self,
+        *,
+        number: int,
+        model: str,
+        created_at: int,
+        body: dict[str, Any],
+        plan: _Plan,
+        input_tokens: int,
+        record: ProviderRequest,
+        queued_forever: bool,
+    ) -> None:
+        self.id = f"resp_fake_{number}"
+        self.item_id = f"msg_fake_{number}"
+        self.model = model
+        self.created_at = created_at
+        self.body = body
+        self.plan = plan
+        self.input_tokens = input_tokens
+        self.record = record
+        self.queued_forever = queued_forever
+        self.background = body.get("background") is True
+        self.store = body.get("store") is not False
+        self.status = "queued" if self.background or queued_forever else "in_progress"
+        self.text = ""
+        self.item_status: str | None = None  # no output item yet
+        self.content_started = False
+        self.events: list[bytes] = []
+        self.ended_at: float | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    @property
+    def ended(self) -> bool:
+        return self.ended_at is not None
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        event = {"type": kind, "sequence_number": len(self.events), **fields}
+        self.events.append(b"event: " + kind.encode() + b"\ndata: " + _dumps(event) + b"\n\n")
+        self._notify()
+
+    def end(self, status: str) -> None:
+        if self.ended:
+            return
+        self.status = status
+        self.ended_at = time.monotonic()
+        self._notify()
+
+    def _notify(self) -> None:
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    async def changed(self, seen: int) -> None:
+        """Return once there are more than ``seen`` events or the response ended."""
+        wake = self._wake
+        if len(self.events) > seen or self.ended:
+            return
+        await wake.wait()
+
+    def _part(self) -> dict[str, Any]:
+        return {"type": "output_text", "text": self.text, "annotations": []}
+
+    def item(self) -> dict[str, Any]:
+        return {
+            "type": "message",
+            "id": self.item_id,
+            "status": self.item_status,
+            "role": "assistant",
+            "content": [self._part()] if self.content_started else [],
+        }
+
+    def usage(self) -> dict[str, Any]:
+        output = self.plan.tokens
+        return {
+            "input_tokens": self.input_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.input_tokens + output,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """The response object as it stands."""
+        instructions = self.body.get("instructions")
+        max_output_tokens = self.body.get("max_output_tokens")
+        done = self.status in ("completed", "incomplete")
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": self.status,
+            "background": self.background,
+            "error": None,
+            "incomplete_details": (
+                {"reason": "max_output_tokens"} if self.status == "incomplete" else None
+            ),
+            "instructions": instructions if isinstance(instructions, str) else None,
+            "max_output_tokens": max_output_tokens if isinstance(max_output_tokens, int) else None,
+            "model": self.model,
+            "output": [] if self.item_status is None else [self.item()],
+            "parallel_tool_calls": True,
+            "previous_response_id": None,
+            "store": self.store,
+            "temperature": 1.0,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": 1.0,
+            "truncation": "disabled",
+            "usage": self.usage() if done else None,
+            "user": None,
+            "metadata": {},
+        }
+
+    async def generate(self) -> None:
+        """Make the response's events at the plan's pace, independent of any connection."""
+        plan = self.plan
+        self.emit("response.created", response=self.snapshot())
+        if self.status == "queued":
+            self.emit("response.queued", response=self.snapshot())
+        if self.queued_forever:
+            await asyncio.Future()  # a known provider fault: it never leaves the queue
+        self.status = "in_progress"
+        self.emit("response.in_progress", response=self.snapshot())
+        self.item_status = "in_progress"
+        self.emit("response.output_item.added", output_index=0, item=self.item())
+        self.content_started = True
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        part = {"type": "output_text", "text": "", "annotations": []}
+        self.emit("response.content_part.added", **where, part=part)
+        start = asyncio.get_running_loop().time() + plan.first_token_delay
+        for index, text in enumerate(plan.texts):
+            await _sleep_until(start + index * plan.seconds_per_token)
+            self.record._count(generated=1)
+            self.text += text
+            self.emit("response.output_text.delta", **where, delta=text)
+        status = "incomplete" if plan.cut_by_max_tokens else "completed"
+        self.emit("response.output_text.done", **where, text=self.text)
+        self.emit("response.content_part.done", **where, part=self._part())
+        self.item_status = status
+        self.emit("response.output_item.done", output_index=0, item=self.item())
+        self.status = status
+        self.emit(f"response.{status}", response=self.snapshot())
+        self.end(status)
+
+
+async def _follow(
+    connection: _Connection,
+    run: _ResponseRun,
+    record: ProviderRequest,
+    start: int,
+    keep_alive: bool,
+) -> bool:
+    """Stream ``run``'s events from index ``start``: the kept ones, then the live ones until
+    it ends (completed, incomplete or cancelled: then the body just ends)."""
+    headers = [
+        ("content-type", "text/event-stream"),
+        ("cache-control", "no-cache"),
+        ("transfer-encoding", "chunked"),
+        ("x-request-id", f"req_fake_{record.id}"),
+    ]
+    await connection.send(_head(200, headers, keep_alive=keep_alive))
+    index = start
+    while True:
+        while index < len(run.events):
+            event = run.events[index]
+            index += 1
+            await connection.send(_chunk(event))
+            if event.startswith(_DELTA_EVENT):
+                record._count(sent=1)
+        if run.ended:
+            break
+        await run.changed(index)
+    record._end(finished=run.status in ("completed", "incomplete"))
+    await connection.send(b"0\r\n\r\n")
+    return keep_alive
+
+
+async def _watched(
+    connection: _Connection, record: ProviderRequest, work: Coroutine[Any, Any, bool]
+) -> bool:
+    """Run ``work`` (which answers on ``connection``) until it ends or the client hangs up;
+    return whether the connection stays open for another request."""
+    producer = asyncio.create_task(work)
+    hang_up = asyncio.create_task(connection.gone.wait())
+    try:
+        await asyncio.wait((producer, hang_up), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hang_up.cancel()
+        producer.cancel()
+        await asyncio.wait((producer,))
+        record._end(early=not connection.server_closing)
+    if producer.cancelled():
+        return False
+    error = producer.exception()
+    if error is None:
+        return producer.result()
+    if not isinstance(error, ConnectionError):
+        raise error
+    return False
 
 
 class _Connection:
@@ -585,7 +924,8 @@ class _Connection:
         end = self._buffer.find(b"\r\n\r\n")
         head = bytes(self._buffer[:end]).decode("latin-1")
         del self._buffer[: end + 4]
-        method, path, version, headers = _parse_head(head)
+        method, target, version, headers = _parse_head(head)
+        path, _, query = target.partition("?")
         length = _content_length(headers)
         if headers.get("expect", "").lower() == "100-continue":
             await self.send(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -595,7 +935,7 @@ class _Connection:
         del self._buffer[:length]
         tokens = {token.strip().lower() for token in headers.get("connection", "").split(",")}
         keep_alive = "close" not in tokens if version == "HTTP/1.1" else "keep-alive" in tokens
-        return _HttpRequest(method, path, headers, body, keep_alive)
+        return _HttpRequest(method, path, headers, body, keep_alive, query)
 
     async def send(self, data: bytes) -> None:
         # Writing to a closed transport only logs warnings, so fail like a socket would.
@@ -645,7 +985,7 @@ def _parse_head(head: str) -> tuple[str, str, str, dict[str, str]]:
             raise _HttpError(400, f"malformed header line {line!r}")
         headers[name.lower()] = value.strip()
     method, target, version = parts
-    return method, target.split("?", 1)[0], version, headers
+    return method, target, version, headers
 
 
 def _content_length(headers: dict[str, str]) -> int:
@@ -670,6 +1010,25 @@ def _header_number(headers: dict[str, str], name: str, default: float) -> float:
     if value < 0 or math.isnan(value):
         raise _HttpError(400, f"header {name} must not be negative, got {raw!r}")
     return value
+
+
+def _header_flag(headers: dict[str, str], name: str) -> bool:
+    raw = headers.get(name, "0").strip().lower()
+    if raw not in ("0", "1", "true", "false"):
+        raise _HttpError(400, f"header {name} must be 1 or 0, got {raw!r}")
+    return raw in ("1", "true")
+
+
+def _check_responses_body(headers: dict[str, str], body: dict[str, Any]) -> None:
+    """The Responses API's own request rules (a `_Refused` in its error shape)."""
+    del headers
+    text = body.get("input")
+    if text is not None and not isinstance(text, str | list):
+        message = "Invalid type for 'input': expected one of a string or array of input items."
+        raise _Refused(400, _openai_error(message, param="input", code="invalid_type"))
+    # Documented: background mode requires store=true (store defaults to true).
+    if body.get("background") is True and body.get("store") is False:
+        raise _Refused(400, _openai_error(_BACKGROUND_NEEDS_STORE, param="background"))
 
 
 def _header_count(headers: dict[str, str], name: str) -> int | None:
@@ -735,6 +1094,10 @@ class FakeProvider:
         fault: Fault | str | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        background_ttl: float = 600.0,
+        queued_forever: bool = False,
+        prefill_refused_models: frozenset[str] | set[str] = DEFAULT_PREFILL_REFUSED_MODELS,
+        created_at: int | None = None,
     ) -> None:
         self.tokens = tokens
         self.tokens_per_second = tokens_per_second
@@ -744,6 +1107,13 @@ class FakeProvider:
         self.fault = Fault.parse(fault) if isinstance(fault, str) else fault
         self.host = host
         self.port = port
+        self.background_ttl = background_ttl
+        self.queued_forever = queued_forever
+        self.prefill_refused_models = frozenset(prefill_refused_models)
+        self.created_at = created_at
+        self._runs: dict[str, _ResponseRun] = {}
+        self._response_numbers = itertools.count(1)
+        self._generations: set[asyncio.Task[None]] = set()
         self._signal = _Signal()
         self._requests: list[ProviderRequest] = []
         self._request_ids = itertools.count(1)
@@ -828,6 +1198,12 @@ class FakeProvider:
         with self._signal.lock:
             self._requests.clear()
 
+    def output_tokens(self, response_id: str) -> int:
+        """Output tokens generated (billed) for a Responses API response over all its calls:
+        the POST that made it, however it ended, plus any GET or cancel (which make none)."""
+        with self._signal.lock:
+            return sum(r.tokens_generated for r in self._requests if r.response_id == response_id)
+
     def _has_requests(self, n: int) -> Callable[[], bool]:
         return lambda: len(self._requests) >= n
 
@@ -867,6 +1243,8 @@ class FakeProvider:
             server.close()
             for connection in self._connections:
                 connection.abort()
+            for generation in list(self._generations):
+                generation.cancel()
             # Aborting wakes every handler (and late ones abort themselves); cancelling them
             # instead trips a 3.11 streams bug that logs the CancelledError.
             others = asyncio.all_tasks() - {asyncio.current_task()}
@@ -912,6 +1290,11 @@ class FakeProvider:
                 )
             )
             return request.keep_alive
+        stored = _RESPONSE_PATH.fullmatch(request.path)
+        # GET /v1/responses/{id}, POST /v1/responses/{id}/cancel
+        cancel = stored is not None and stored.group(2) is not None
+        if stored is not None and request.method == ("POST" if cancel else "GET"):
+            return await self._stored_response(connection, request, stored.group(1))
         api = _ROUTES.get(request.path) if request.method == "POST" else None
         if api is None:
             shape = ANTHROPIC_MESSAGES if "anthropic-version" in request.headers else OPENAI_CHAT
@@ -929,12 +1312,181 @@ class FakeProvider:
             message = "We could not parse the JSON body of your request."
             return await self._send_error(connection, request, api, 400, message)
         try:
-            plan = self._plan(request.headers, body)
+            if api == OPENAI_RESPONSES:
+                _check_responses_body(request.headers, body)
+            plan = self._plan(request.headers, body, api)
         except _HttpError as exc:
             return await self._send_error(connection, request, api, exc.status, exc.message)
+        except _Refused as exc:
+            return await self._send_json(connection, request, exc.status, exc.payload)
+        if api == OPENAI_RESPONSES:
+            return await self._create_response(connection, request, body, plan)
         record = self._record(connection, request.path, api, body, plan)
-        response = _Response(connection, record, plan, self.model, self.input_tokens)
+        input_tokens = self.input_tokens + plan.prefix_tokens
+        response = _Response(connection, record, plan, self.model, input_tokens)
         return await response.run(request.keep_alive)
+
+    async def _send_json(
+        self,
+        connection: _Connection,
+        request: _HttpRequest,
+        status: int,
+        payload: dict[str, Any],
+        extra: list[tuple[str, str]] | None = None,
+    ) -> bool:
+        response = _full_response(
+            status,
+            _dumps(payload),
+            "application/json",
+            keep_alive=request.keep_alive,
+            extra=extra or [],
+        )
+        await connection.send(response)
+        return request.keep_alive
+
+    # Responses API
+
+    def _lookup(self, response_id: str) -> _ResponseRun | None:
+        """The stored response, or None if unknown or kept past `background_ttl`."""
+        run = self._runs.get(response_id)
+        ended_at = None if run is None else run.ended_at
+        if ended_at is not None and time.monotonic() - ended_at >= self.background_ttl:
+            del self._runs[response_id]
+            return None
+        return run
+
+    async def _create_response(
+        self, connection: _Connection, request: _HttpRequest, body: dict[str, Any], plan: _Plan
+    ) -> bool:
+        fault = plan.fault
+        if (fault is not None and fault.kind != "status") or plan.error_after is not None:
+            message = "/v1/responses takes only x-fake-fault: status=CODE (other faults: not yet)."
+            return await self._send_error(connection, request, OPENAI_RESPONSES, 400, message)
+        try:
+            queued = self.queued_forever or _header_flag(request.headers, "x-fake-queued")
+        except _HttpError as exc:
+            return await self._send_error(connection, request, OPENAI_RESPONSES, 400, exc.message)
+        number = next(self._response_numbers)
+        record = self._record(
+            connection, request.path, OPENAI_RESPONSES, body, plan, f"resp_fake_{number}"
+        )
+        if plan.fault is not None and plan.fault.kind == "status":
+            status = plan.fault.status
+            payload = _error_json(
+                OPENAI_RESPONSES, status, _fault_message(OPENAI_CHAT, status, self.model)
+            )
+            extra = [("x-request-id", f"req_fake_{record.id}")]
+            if status in (429, 503, 529):
+                extra.append(("retry-after", "1"))
+            record._apply_fault()
+            record._end(error=True)
+            return await self._send_json(connection, request, status, payload, extra)
+        created_at = int(time.time()) if self.created_at is None else self.created_at
+        run = _ResponseRun(
+            number=number,
+            model=self.model,
+            created_at=created_at,
+            body=body,
+            plan=plan,
+            input_tokens=self.input_tokens,
+            record=record,
+            queued_forever=queued,
+        )
+        if run.store:
+            self._runs[run.id] = run
+        task = asyncio.create_task(run.generate())
+        run.task = task
+        self._generations.add(task)
+        task.add_done_callback(self._generations.discard)
+        if run.background and not record.stream:
+            # Background: answered at once (status "queued"); the generation goes on alone.
+            record._end(finished=True)
+            extra = [("x-request-id", f"req_fake_{record.id}")]
+            return await self._send_json(connection, request, 200, run.snapshot(), extra)
+        if record.stream:
+            work = _follow(connection, run, record, 0, request.keep_alive)
+        else:
+            work = self._answer_when_done(connection, request, run, record)
+        keep_alive = await _watched(connection, record, work)
+        if not run.background and not run.ended:  # the client left: the generation stops
+            task.cancel()
+            run.end("cancelled")
+        return keep_alive
+
+    async def _answer_when_done(
+        self,
+        connection: _Connection,
+        request: _HttpRequest,
+        run: _ResponseRun,
+        record: ProviderRequest,
+    ) -> bool:
+        while not run.ended:
+            await run.changed(len(run.events))
+        body = _dumps(run.snapshot())
+        extra = [("x-request-id", f"req_fake_{record.id}")]
+        response = _full_response(
+            200, body, "application/json", keep_alive=request.keep_alive, extra=extra
+        )
+        await connection.send(response[:-1])
+        record._count(sent=run.plan.tokens)
+        record._end(finished=True)
+        await connection.send(response[-1:])
+        return request.keep_alive
+
+    async def _stored_response(
+        self, connection: _Connection, request: _HttpRequest, response_id: str
+    ) -> bool:
+        """``GET /v1/responses/{id}[?stream=true&starting_after=N]`` and
+        ``POST /v1/responses/{id}/cancel``."""
+        run = self._lookup(response_id)
+        if run is None:
+            payload = _openai_error(_RESPONSE_NOT_FOUND.format(response_id))
+            return await self._send_json(connection, request, 404, payload)
+        query = urllib.parse.parse_qs(request.query)
+        stream = request.method == "GET" and query.get("stream", [""])[-1] == "true"
+        start = 0
+        if stream:
+            if not run.background:
+                payload = _openai_error(
+                    _NOT_STREAMABLE, param="stream", code="invalid_request_error"
+                )
+                return await self._send_json(connection, request, 400, payload)
+            after = query.get("starting_after", [None])[-1]
+            if after is not None:
+                if not _DIGITS.fullmatch(after):
+                    message = f"Invalid 'starting_after': expected an integer, got {after!r}."
+                    payload = _openai_error(message, param="starting_after")
+                    return await self._send_json(connection, request, 400, payload)
+                start = int(after) + 1
+        if request.method == "POST" and not run.background:
+            payload = _openai_error(_CANCEL_NOT_BACKGROUND)
+            return await self._send_json(connection, request, 400, payload)
+        record = ProviderRequest(
+            id=next(self._request_ids),
+            connection_id=connection.id,
+            path=request.path,
+            api=OPENAI_RESPONSES,
+            body={},
+            stream=stream,
+            tokens_planned=0,
+            fault=None,
+            signal=self._signal,
+            response_id=run.id,
+        )
+        with self._signal.lock:
+            self._requests.append(record)
+            self._signal.notify()
+        if stream:
+            return await _watched(
+                connection, record, _follow(connection, run, record, start, request.keep_alive)
+            )
+        if request.method == "POST" and not run.ended:
+            # Cancelling twice is idempotent; a re-attached stream just ends.
+            if run.task is not None:
+                run.task.cancel()
+            run.end("cancelled")
+        record._end(finished=True)
+        return await self._send_json(connection, request, 200, run.snapshot())
 
     async def _send_error(
         self, connection: _Connection, request: _HttpRequest, api: str, status: int, message: str
@@ -947,14 +1499,24 @@ class FakeProvider:
         )
         return request.keep_alive
 
-    def _plan(self, headers: dict[str, str], body: dict[str, Any]) -> _Plan:
+    def _plan(self, headers: dict[str, str], body: dict[str, Any], api: str) -> _Plan:
         override = _header_count(headers, "x-fake-tokens")
-        tokens = self.tokens if override is None else override
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        planned = self.tokens if override is None else override
+        texts = tuple(_token_text(index) for index in range(planned))
+        prefix_tokens = 0
+        prefix = self._prefix(api, body)
+        if prefix is not None:
+            texts, prefix_tokens = _continuation(prefix, planned)
+        tokens = len(texts)
+        if api == OPENAI_RESPONSES:
+            max_tokens = body.get("max_output_tokens")
+        else:
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         cut = False
         if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
             cut = 0 <= max_tokens < tokens
             tokens = min(tokens, max_tokens) if cut else tokens
+            texts = texts[:tokens]
         rate = _header_number(headers, "x-fake-rate", self.tokens_per_second)
         error_after = _header_count(headers, "x-fake-error-after")
         if error_after is not None and error_after > tokens:
@@ -983,10 +1545,60 @@ class FakeProvider:
             include_usage=isinstance(options, dict) and options.get("include_usage") is True,
             fault=fault,
             fault_at=fault_at,
+            texts=texts,
+            prefix_tokens=prefix_tokens,
         )
 
+    def _prefix(self, api: str, body: dict[str, Any]) -> str | None:
+        """The text of a final assistant message the answer continues, or None; a
+        `_Refused` for a request shape the provider refuses."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+            last: dict[str, Any] = {}
+        else:
+            last = messages[-1]
+        if api == OPENAI_CHAT:
+            if not body.get("continue_final_message"):
+                return None  # a final assistant message is only context
+            # vLLM's check_generation_prompt, on the raw body: only an explicit true clashes.
+            if body.get("add_generation_prompt"):
+                raise _Refused(400, _vllm_error(_VLLM_BOTH_FLAGS))
+            if last.get("role") != "assistant":
+                # Our wording: vLLM's own refusal for this case was not found.
+                message = "continue_final_message needs a final message with role 'assistant'."
+                raise _Refused(400, _vllm_error(message))
+            return _text_of(last.get("content"))
+        if api != ANTHROPIC_MESSAGES or last.get("role") != "assistant":
+            return None
+        content = last.get("content")
+        blocks = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        texts = [
+            block["text"]
+            for block in blocks
+            if isinstance(block, dict) and isinstance(block.get("text"), str)
+        ]
+        # The order of these checks is ours; the API's own order is not documented.
+        if texts and texts[-1] != texts[-1].rstrip():
+            raise _Refused(400, _anthropic_invalid(_ANTHROPIC_TRAILING_WHITESPACE))
+        thinking = body.get("thinking")
+        if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive"):
+            index = len(messages) - 1 if isinstance(messages, list) else 0
+            message = f"messages.{index}.content.0.type: {_ANTHROPIC_THINKING_PREFILL}"
+            raise _Refused(400, _anthropic_invalid(message))
+        model = body.get("model")
+        model = model if isinstance(model, str) else self.model
+        if _model_in(model, self.prefill_refused_models):
+            raise _Refused(400, _anthropic_invalid(_ANTHROPIC_NO_PREFILL))
+        return "".join(texts)
+
     def _record(
-        self, connection: _Connection, path: str, api: str, body: dict[str, Any], plan: _Plan
+        self,
+        connection: _Connection,
+        path: str,
+        api: str,
+        body: dict[str, Any],
+        plan: _Plan,
+        response_id: str | None = None,
     ) -> ProviderRequest:
         record = ProviderRequest(
             id=next(self._request_ids),
@@ -998,6 +1610,7 @@ class FakeProvider:
             tokens_planned=plan.tokens,
             fault=plan.fault,
             signal=self._signal,
+            response_id=response_id,
         )
         with self._signal.lock:
             self._requests.append(record)
@@ -1102,7 +1715,7 @@ class _Response:
             if index == plan.tokens:
                 break
             record._count(generated=1)
-            await connection.send(_chunk(fmt.token(index)))
+            await connection.send(_chunk(fmt.token(plan.texts[index])))
             record._count(sent=1)
         for frame in fmt.epilogue(plan):
             await connection.send(_chunk(frame))
