@@ -1,10 +1,23 @@
-"""A loopback HTTP/1.1 server imitating the streaming OpenAI Chat and Anthropic Messages APIs.
+"""A loopback HTTP/1.1 server imitating the streaming OpenAI Chat, OpenAI Responses and
+Anthropic Messages APIs.
 
 It records every API call and, crucially, notices a client that hangs up while a response is
 being generated (a concurrent reader sees EOF), so tests can assert that abandoned upstream calls
 really stopped. It can also misbehave as real upstreams do (a ``Fault``, per request or for
 every request): reset the connection, stall, send garbage, end without the terminal marker, or
 answer an HTTP error status instead of streaming.
+
+It also speaks the shapes a gateway uses to finish a generation another process started:
+
+- OpenAI Responses background mode: ``background: true`` (with ``store``) runs the generation
+  inside the provider whoever listens; ``GET /v1/responses/{id}?stream=true&starting_after=N``
+  re-attaches (the kept events after N, then the live ones, byte for byte as first sent),
+  ``POST /v1/responses/{id}/cancel`` cancels, and ``x-fake-queued: 1`` leaves one queued
+  forever, a fault seen on the real API;
+- vLLM/SGLang ``continue_final_message`` and Anthropic prefill: a final assistant message P
+  is continued, streaming only what follows P in the deterministic text, with the requests the
+  providers refuse (both generation flags, prefill with trailing whitespace, with thinking on,
+  or on a model that takes none) answered with their 400s.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ CHUNK_KEYS = {"id", "object", "created", "model", "system_fingerprint", "choices
 CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason"}
 
 
-
 @pytest.fixture
 def client() -> Iterator[httpx.Client]:
     with httpx.Client(timeout=10.0) as http:
@@ -914,3 +913,409 @@ def test_cli_refuses_a_malformed_fault() -> None:
 
     assert result.returncode == 2
     assert "invalid fault 'explode'" in result.stderr
+
+
+# continuations: the OpenAI Responses API, continue_final_message, Anthropic prefill
+
+RESPONSES = "/v1/responses"
+EIGHT = "".join(f"tok{i} " for i in range(8))
+
+
+def names_and_payloads(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
+    events = []
+    for name, data in parse_sse(raw):
+        assert name is not None
+        payload = json.loads(data)
+        assert payload["type"] == name
+        events.append((name, payload))
+    return events
+
+
+def test_responses_stream_has_the_recorded_shape(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    response = post(client, provider, RESPONSES, {"model": "m", "input": "hi", "stream": True})
+
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/event-stream"
+    events = names_and_payloads(response.content)
+    recorded = [name for name, _ in parse_sse((DATA / "openai_responses_text.sse").read_bytes())]
+    assert collapse([name for name, _ in events]) == collapse([n or "" for n in recorded])
+    assert [payload["sequence_number"] for _, payload in events] == list(range(len(events)))
+    deltas = [p["delta"] for name, p in events if name == "response.output_text.delta"]
+    assert deltas == [f"tok{i} " for i in range(8)]
+    created, completed = events[0][1]["response"], events[-1][1]["response"]
+    assert created["id"] == completed["id"] == "resp_fake_1"
+    assert created["status"] == "in_progress"
+    assert completed["status"] == "completed"
+    assert completed["output"] == [
+        {
+            "type": "message",
+            "id": "msg_fake_1",
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": EIGHT, "annotations": []}],
+        }
+    ]
+    assert completed["usage"] == {
+        "input_tokens": 12,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 8,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 20,
+    }
+    (record,) = provider.wait_for_requests(1)
+    assert record.api == "openai_responses"
+    assert record.response_id == "resp_fake_1"
+    assert record.finished
+    assert record.tokens_sent == record.tokens_generated == 8
+    assert provider.output_tokens("resp_fake_1") == 8
+
+
+def test_responses_max_output_tokens_ends_incomplete(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    body = {"input": "hi", "stream": True, "max_output_tokens": 3}
+    events = names_and_payloads(post(client, provider, RESPONSES, body).content)
+
+    assert events[-1][0] == "response.incomplete"
+    final = events[-1][1]["response"]
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["output"][0]["content"][0]["text"] == "tok0 tok1 tok2 "
+
+
+def test_responses_without_streaming_answers_the_response_object(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    payload = post(client, provider, RESPONSES, {"input": [{"role": "user", "content": "hi"}]})
+
+    assert payload.json()["status"] == "completed"
+    assert payload.json()["output"][0]["content"][0]["text"] == EIGHT
+    stored = client.get(provider.url + RESPONSES + "/resp_fake_1")
+    assert stored.json() == payload.json()
+
+
+@pytest.mark.parametrize("cut", [0, 4, 7, 9, 14])
+def test_background_reattach_after_a_hang_up_is_byte_identical(
+    client: httpx.Client, cut: int
+) -> None:
+    body = {"model": "m", "input": "hi", "stream": True, "background": True}
+    # 6 tokens, 50 ms apart: events 0-4 come first, the deltas are 5-10, then 11-14 at once.
+    options: dict[str, Any] = {"tokens": 6, "tokens_per_second": 20, "created_at": 1_700_000_000}
+    with FakeProvider(**options) as whole:
+        uninterrupted = post(client, whole, RESPONSES, body).content
+    with FakeProvider(**options) as provider:
+        received = b""
+        with client.stream("POST", provider.url + RESPONSES, json=body) as response:
+            for chunk in response.iter_bytes():
+                received += chunk
+                if received.count(b"\n\n") > cut:
+                    break
+        first = b"".join(event + b"\n\n" for event in received.split(b"\n\n")[: cut + 1])
+        (made,) = provider.wait_for_requests(1)
+        assert made.wait_closed(timeout=5.0)
+        params = {"stream": "true", "starting_after": str(cut)}
+        rest = client.get(provider.url + RESPONSES + "/resp_fake_1", params=params)
+        billed = provider.output_tokens("resp_fake_1")
+        made, reattached = provider.wait_for_requests(2)
+
+    assert json.loads(parse_sse(first)[-1][1])["sequence_number"] == cut
+    assert rest.status_code == 200
+    assert first + rest.content == uninterrupted
+    assert len(names_and_payloads(uninterrupted)) == 15
+    if cut < 10:  # left before the last token: the generation went on without it
+        assert made.connection_closed_early
+        assert made.tokens_sent < 6
+    assert billed == made.tokens_generated == 6
+    assert reattached.response_id == "resp_fake_1"
+    assert reattached.tokens_generated == 0
+    assert reattached.finished
+
+
+def test_without_background_a_hang_up_stops_the_generation(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    headers = {"x-fake-tokens": "100000", "x-fake-rate": "1000"}
+    with client.stream(
+        "POST", provider.url + RESPONSES, json={"stream": True}, headers=headers
+    ) as response:
+        for line in response.iter_lines():
+            if "tok5 " in line:
+                break
+
+    (record,) = provider.wait_for_requests(1)
+    assert record.wait_closed(timeout=5.0)
+    assert record.connection_closed_early
+    assert record.tokens_generated < record.tokens_planned
+    assert client.get(provider.url + RESPONSES + "/resp_fake_1").json()["status"] == "cancelled"
+    again = client.get(provider.url + RESPONSES + "/resp_fake_1", params={"stream": "true"})
+    assert again.status_code == 400
+    assert again.json()["error"] == {
+        "message": "This response cannot be streamed because it was not created with "
+        "background=true.",
+        "type": "invalid_request_error",
+        "param": "stream",
+        "code": "invalid_request_error",
+    }
+
+
+def test_background_needs_store(provider: FakeProvider, client: httpx.Client) -> None:
+    body = {"input": "hi", "background": True, "store": False}
+    response = post(client, provider, RESPONSES, body)
+
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "background"
+    assert provider.requests == []
+
+
+def test_background_without_streaming_is_queued_then_completes(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    created = post(client, provider, RESPONSES, {"input": "hi", "background": True})
+    assert created.json()["status"] == "queued"
+    assert created.json()["background"] is True
+
+    events = client.get(provider.url + RESPONSES + "/resp_fake_1", params={"stream": "true"})
+    assert names_and_payloads(events.content)[-1][0] == "response.completed"
+    assert client.get(provider.url + RESPONSES + "/resp_fake_1").json()["status"] == "completed"
+    assert provider.output_tokens("resp_fake_1") == 8
+
+
+def test_cancel_stops_a_background_response_and_ends_its_live_stream(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    headers = {"x-fake-tokens": "1000", "x-fake-rate": "20"}
+    body = {"stream": True, "background": True}
+    with client.stream("POST", provider.url + RESPONSES, json=body, headers=headers) as response:
+        lines = response.iter_lines()
+        for line in lines:
+            if "tok1 " in line:
+                break
+        cancelled = client.post(provider.url + RESPONSES + "/resp_fake_1/cancel")
+        rest = list(lines)
+
+    assert cancelled.status_code == 200
+    assert cancelled.json()["status"] == "cancelled"
+    assert not any("response.completed" in line for line in rest)
+    again = client.post(provider.url + RESPONSES + "/resp_fake_1/cancel")
+    assert again.json() == cancelled.json()  # idempotent
+    assert client.get(provider.url + RESPONSES + "/resp_fake_1").json()["status"] == "cancelled"
+    assert 2 <= provider.output_tokens("resp_fake_1") < 1000
+
+
+def test_a_response_without_background_cannot_be_cancelled(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    post(client, provider, RESPONSES, {"input": "hi"})
+    refused = client.post(provider.url + RESPONSES + "/resp_fake_1/cancel")
+
+    assert refused.status_code == 400
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    assert "background=true" in refused.json()["error"]["message"]
+
+
+def test_unknown_and_expired_response_ids_are_404(client: httpx.Client) -> None:
+    with FakeProvider(tokens=3, tokens_per_second=0, background_ttl=0) as provider:
+        body = {"input": "hi", "stream": True, "background": True}
+        assert post(client, provider, RESPONSES, body).status_code == 200
+        expired = client.get(provider.url + RESPONSES + "/resp_fake_1")
+        unknown = client.get(provider.url + RESPONSES + "/resp_nope", params={"stream": "true"})
+        cancel_unknown = client.post(provider.url + RESPONSES + "/resp_nope/cancel")
+
+    assert expired.status_code == unknown.status_code == cancel_unknown.status_code == 404
+    assert expired.json() == {
+        "error": {
+            "message": "Response with id 'resp_fake_1' not found.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+    }
+
+
+def test_queued_fault_never_leaves_the_queue(provider: FakeProvider, client: httpx.Client) -> None:
+    body = b'{"stream": true, "background": true}'
+    with open_raw(provider, RESPONSES, body, "x-fake-queued: 1\r\n") as sock:
+        received = read_until(sock, b'"type":"response.queued"')
+        while not received.endswith(b"\n\n\r\n"):  # the rest of that event's chunk
+            received += sock.recv(65536)
+        sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):  # open, and silent
+            received += sock.recv(65536)
+        stored = client.get(provider.url + RESPONSES + "/resp_fake_1").json()
+        cancelled = client.post(provider.url + RESPONSES + "/resp_fake_1/cancel").json()
+        sock.settimeout(10)
+        received += read_until(sock, b"0\r\n\r\n")  # the body ends
+
+    events = names_and_payloads(dechunk(received)[0])
+    assert [name for name, _ in events] == ["response.created", "response.queued"]
+    assert [p["response"]["status"] for _, p in events] == ["queued", "queued"]
+    assert stored["status"] == "queued"
+    assert cancelled["status"] == "cancelled"
+    assert provider.output_tokens("resp_fake_1") == 0
+
+
+def test_queued_fault_as_an_option(client: httpx.Client) -> None:
+    with FakeProvider(queued_forever=True) as provider:
+        created = post(client, provider, RESPONSES, {"input": "hi", "background": True})
+        stored = client.get(provider.url + RESPONSES + "/resp_fake_1").json()
+
+    assert created.json()["status"] == stored["status"] == "queued"
+
+
+def chat_pieces(raw: bytes) -> tuple[list[str], dict[str, int]]:
+    pieces, usage = [], {}
+    for _, data in parse_sse(raw):
+        if data == "[DONE]":
+            continue
+        chunk = json.loads(data)
+        delta = chunk["choices"][0]["delta"] if chunk["choices"] else {}
+        if "content" in delta and "role" not in delta:
+            pieces.append(delta["content"])
+        usage = chunk.get("usage") or usage
+    return pieces, usage
+
+
+@pytest.mark.parametrize(
+    ("prefix", "rest", "prefix_tokens"),
+    [
+        ("tok0 tok1 ", [f"tok{i} " for i in range(2, 8)], 2),
+        ("tok0 tok1 to", ["k2 "] + [f"tok{i} " for i in range(3, 8)], 3),
+        ("hello world ", [f"tok{i} " for i in range(2, 8)], 2),  # not T's prefix: 2 whole
+        (EIGHT, [], 8),
+        (
+            [{"type": "text", "text": "tok0 "}, {"type": "text", "text": "t"}],
+            ["ok1 "] + [f"tok{i} " for i in range(2, 8)],
+            2,
+        ),
+    ],
+)
+def test_continue_final_message_streams_the_rest(
+    provider: FakeProvider,
+    client: httpx.Client,
+    prefix: str | list[dict[str, str]],
+    rest: list[str],
+    prefix_tokens: int,
+) -> None:
+    body = {
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": prefix}],
+    }
+    pieces, usage = chat_pieces(post(client, provider, OPENAI, body).content)
+
+    assert pieces == rest
+    assert usage == {
+        "prompt_tokens": 12 + prefix_tokens,
+        "completion_tokens": len(rest),
+        "total_tokens": 12 + prefix_tokens + len(rest),
+    }
+    assert provider.wait_for_requests(1)[0].tokens_planned == len(rest)
+
+
+def test_without_continue_final_message_a_final_assistant_message_is_context(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    body = {"stream": True, "messages": [{"role": "assistant", "content": "tok0 tok1 "}]}
+
+    assert content_of(post(client, provider, OPENAI, body).content) == EIGHT
+
+
+def test_continue_final_message_with_add_generation_prompt_is_vllms_400(
+    provider: FakeProvider, client: httpx.Client
+) -> None:
+    body = {
+        "continue_final_message": True,
+        "add_generation_prompt": True,
+        "messages": [{"role": "assistant", "content": "tok0 "}],
+    }
+    response = post(client, provider, OPENAI, body)
+    not_assistant = post(
+        client,
+        provider,
+        OPENAI,
+        {"continue_final_message": True, "messages": [{"role": "user", "content": "x"}]},
+    )
+
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": {
+            "message": "Cannot set both `continue_final_message` and `add_generation_prompt` "
+            "to True.",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    }
+    assert not_assistant.status_code == 400
+    assert provider.requests == []
+
+
+@pytest.mark.parametrize(
+    "content", ["tok0 tok1", [{"type": "text", "text": "tok0 "}, {"type": "text", "text": "tok1"}]]
+)
+def test_anthropic_prefill_streams_the_rest(
+    provider: FakeProvider, client: httpx.Client, content: str | list[dict[str, str]]
+) -> None:
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": content}]
+    response = post(client, provider, ANTHROPIC, {"stream": True, "messages": messages})
+
+    events = parse_sse(response.content)
+    deltas = [json.loads(d)["delta"]["text"] for n, d in events if n == "content_block_delta"]
+    assert deltas == [" "] + [f"tok{i} " for i in range(2, 8)]
+    assert json.loads(events[0][1])["message"]["usage"]["input_tokens"] == 14
+    assert json.loads(events[-2][1])["usage"]["output_tokens"] == 7
+    assert response.content.endswith(b'data: {"type":"message_stop"}\n\n')
+
+
+@pytest.mark.parametrize(
+    ("extra", "content", "message"),
+    [
+        ({}, "tok0 ", "messages: final assistant content cannot end with trailing whitespace"),
+        (
+            {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+            "tok0",
+            "messages.1.content.0.type: Expected `thinking` or `redacted_thinking`, but found "
+            "`text`. When `thinking` is enabled, a final `assistant` message must start with a "
+            "thinking block",
+        ),
+        (
+            {"model": "claude-sonnet-4-6"},
+            "tok0",
+            "This model does not support assistant message prefill. The conversation must end "
+            "with a user message.",
+        ),
+        ({"model": "claude-opus-4-6-20260101"}, "tok0", "does not support assistant message"),
+    ],
+)
+def test_anthropic_refuses_these_prefills(
+    provider: FakeProvider,
+    client: httpx.Client,
+    extra: dict[str, Any],
+    content: str,
+    message: str,
+) -> None:
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": content}]
+    response = post(client, provider, ANTHROPIC, {"stream": True, "messages": messages, **extra})
+
+    assert response.status_code == 400
+    payload = response.json()
+    assert payload["type"] == "error"
+    assert payload["error"]["type"] == "invalid_request_error"
+    assert message in payload["error"]["message"]
+    assert provider.requests == []
+
+
+def test_prefill_refused_models_is_an_option(client: httpx.Client) -> None:
+    prefill = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "tok0"}]
+    with FakeProvider(tokens=3, tokens_per_second=0, prefill_refused_models={"fake-model"}) as p:
+        refused = post(client, p, ANTHROPIC, {"messages": prefill})
+        new_model = post(client, p, ANTHROPIC, {"model": "claude-opus-4-6", "messages": prefill})
+        user_last = post(client, p, ANTHROPIC, {"messages": prefill[:1]})
+
+    assert refused.status_code == 400
+    assert new_model.status_code == 200  # the option replaces the default set
+    assert new_model.json()["content"] == [{"type": "text", "text": " tok1 tok2 "}]
+    assert user_last.json()["content"] == [{"type": "text", "text": "tok0 tok1 tok2 "}]
