@@ -8,7 +8,8 @@
   mid-stream, or keep the socket open without reading; ``h2_request`` and
   ``h2_stalled_request`` do the same over HTTP/2, where stalling means a flow-control
   window that is never reopened.
-- ``FakeProvider`` streams OpenAI-chat and Anthropic-messages SSE over real TCP and
+- ``FakeProvider`` streams OpenAI-chat, OpenAI-responses (with background re-attach)
+  and Anthropic-messages SSE over real TCP, continues a final assistant message, and
   records, per request, how many tokens it generated before its connection closed; a
   ``Fault`` (for every request, or per request by header) makes it reset, stall, send
   garbage, end without its terminal marker or answer an error status.

@@ -1087,7 +1087,16 @@ class FakeProvider:
     """A fake OpenAI/Anthropic streaming endpoint running its own event loop in a daemon thread.
 
     Routes: ``POST /v1/chat/completions`` (OpenAI Chat Completions), ``POST /v1/messages``
-    (Anthropic Messages), both streaming with ``"stream": true``; ``GET /health``.
+    (Anthropic Messages), ``POST /v1/responses`` (OpenAI Responses, ``input`` not
+    ``messages``), all streaming with ``"stream": true``; ``GET /v1/responses/{id}`` (the
+    response object, or with ``?stream=true&starting_after=N`` a background response's events
+    after sequence number N), ``POST /v1/responses/{id}/cancel``; ``GET /health``.
+
+    A background response is kept ``background_ttl`` seconds after it ends (then 404);
+    ``queued_forever`` (or ``x-fake-queued: 1``) leaves Responses API responses queued for
+    ever; ``prefill_refused_models`` are the models that answer an Anthropic prefill with a
+    400 (default: the Claude 4.6 models); ``created_at`` fixes the Responses API timestamp, so
+    two providers stream the same bytes. `output_tokens` tells a response's billed tokens.
 
     Per-request overrides (request headers): ``x-fake-tokens``, ``x-fake-rate`` (tokens/s,
     0 or ``inf`` for as fast as possible), ``x-fake-first-token-delay`` (seconds),

@@ -17,8 +17,21 @@ routes:
   POST /v1/chat/completions   OpenAI Chat Completions ("stream": true for SSE, ending
                               with data: [DONE]; "stream_options": {"include_usage": true}
                               adds the usage chunk; max_tokens / max_completion_tokens cut)
-  POST /v1/messages           Anthropic Messages (SSE ending with event: message_stop)
+  POST /v1/messages           Anthropic Messages (SSE ending with event: message_stop); a
+                              final assistant message is a prefill that is continued
+  POST /v1/responses          OpenAI Responses ("input"; "background": true runs on without
+                              the client, kept --background-ttl seconds after it ends)
+  GET  /v1/responses/{id}     the response object; ?stream=true&starting_after=N re-attaches
+                              to a background response after sequence number N
+  POST /v1/responses/{id}/cancel
+                              cancel a background response
   GET  /health                200 "ok"
+
+continuations (the answer is "tok0 tok1 ... tok{n-1} "; after a final assistant message
+P it streams only what follows P, and bills P's tokens as input):
+  "continue_final_message": true with "add_generation_prompt": false (vLLM, SGLang) on
+  /v1/chat/completions; both true is vLLM's 400. Anthropic refuses a prefill ending in
+  whitespace, with thinking enabled, or on a model that takes none (400).
 
 per-request headers (override the options above for one request):
   x-fake-tokens: N            tokens in the response
@@ -26,6 +39,7 @@ per-request headers (override the options above for one request):
   x-fake-first-token-delay: S seconds before the first token
   x-fake-error-after: N       the provider's mid-stream error frame after N tokens
   x-fake-fault: FAULT         a fault for this request only ("none": no fault)
+  x-fake-queued: 1            a Responses API response stays queued for ever
 
 faults (--fault or x-fake-fault; N past the token count means after the last token):
   reset-after=N               reset the connection (TCP RST, SO_LINGER 0) after N tokens
@@ -58,7 +72,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m asgi_disconnect.testing.fake_provider",
-        description="Fake OpenAI Chat Completions / Anthropic Messages streaming server.",
+        description="Fake OpenAI Chat Completions / Responses / Anthropic Messages SSE server.",
         epilog=_EPILOG,
         formatter_class=_HelpFormatter,
     )
@@ -78,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FAULT",
         help="a fault for every request (see below); x-fake-fault overrides it per request",
     )
+    parser.add_argument(
+        "--background-ttl",
+        type=float,
+        default=600.0,
+        help="seconds a Responses API response is kept after it ends",
+    )
     args = parser.parse_args(argv)
     provider = FakeProvider(
         tokens=args.tokens,
@@ -88,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         fault=args.fault,
         host=args.host,
         port=args.port,
+        background_ttl=args.background_ttl,
     )
     with provider:
         fault = "" if provider.fault is None else f"fault {provider.fault}; "

@@ -855,6 +855,12 @@ def test_cli_help_lists_routes_defaults_and_faults() -> None:
     for text in (
         "POST /v1/chat/completions",
         "POST /v1/messages",
+        "POST /v1/responses",
+        "GET  /v1/responses/{id}",
+        "POST /v1/responses/{id}/cancel",
+        "continue_final_message",
+        "x-fake-queued",
+        "--background-ttl",
         "GET  /health",
         "(default: 200.0)",
         "x-fake-fault",
