@@ -165,6 +165,9 @@ def install(
         tokenizer=tokenizer,
         request_log=request_log,
     )
+    if options.get("upstreams"):
+        # A generation taken over from a replica that died: its records go where all do.
+        options.setdefault("takeover_sinks", sinks)
     app.add_middleware(DisconnectMiddleware, **options)
     if idempotency:
         settings = dict(idempotency) if isinstance(idempotency, Mapping) else {}

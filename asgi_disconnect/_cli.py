@@ -290,6 +290,7 @@ async def _generations(args: argparse.Namespace, backend_url: str) -> int:
                 print(
                     f"{listed.id}  {listed.status:<11} {listed.policy or '-':<7} "
                     f"{'detached' if listed.detached else '        '} {listed.size:>9} B  "
+                    f"attempt {listed.attempt}  owner {listed.owner or '-':<16}  "
                     f"{listed.content_type or ''}"
                 )
             return 0

@@ -104,7 +104,7 @@ if TYPE_CHECKING:
 
     from starlette.types import Scope
 
-    from ._records import Claim, GenerationInfo, Status, StoredResponse, UsageRecord
+    from ._records import Adopted, Claim, GenerationInfo, Status, StoredResponse, UsageRecord
 
 __all__ = [
     "CREDENTIAL_HEADERS",
@@ -316,6 +316,8 @@ class GenerationOutput(Protocol):
 
     # The request whose client reads the log as it is produced; None once it reads no more.
     reader: ClientReader | None
+    # What another replica needs to finish it: (upstream name, encoded continuation).
+    continuation: tuple[str, bytes] | None
 
     def chunks_from(self, index: int) -> list[bytes]:
         """The chunks from ``index`` on, as the app produced them."""
@@ -402,6 +404,7 @@ class RequestState:
         "_principal",
         "_usage_hooks",
         "app_send",
+        "continuation",
         "delivered_bytes",
         "delivery",
         "detached",
@@ -461,6 +464,8 @@ class RequestState:
         self.provider_name: str | None = None
         self.idempotency: str | None = None
         self.response_status: int | None = None
+        # (upstream name, encoded continuation): set by ``open_stream(continuation=...)``.
+        self.continuation: tuple[str, bytes] | None = None
 
     @property
     def generation_id(self) -> str:
@@ -758,6 +763,34 @@ class GenerationLog(GenerationReader, Protocol):
     async def request_cancel(self, generation_id: str) -> bool:
         """Ask the process that produces the running generation to stop it (here through
         ``on_cancel``, on another replica through the store); False if it is not running."""
+
+
+@runtime_checkable
+class TakeoverStore(Protocol):
+    """A store shared by replicas (``DurableBackend``) through which one of them takes over
+    a detached generation whose owner is gone: it asks the database for lapsed ones this
+    process can continue (``upstreams``) and hands each to ``on_takeover``; it tells
+    ``on_fenced`` when another replica took over one that runs here."""
+
+    upstreams: tuple[str, ...]
+    on_takeover: Callable[[Adopted], None] | None
+    on_fenced: Callable[[str], None] | None
+    taking_over: bool
+
+    def adopt(self, generation: LiveLog, size: int) -> None:
+        """Write what a taken-over generation appends after its ``size`` stored bytes."""
+
+    def adopted_ended(self, generation_id: str) -> None:
+        """A taken-over generation ended here: room for another."""
+
+    async def unregistered_upstreams(self) -> list[str]:
+        """Upstreams that running detached generations need and this process lacks."""
+
+    async def read_all(self, generation_id: str, size: int) -> bytes:
+        """The first ``size`` bytes of a generation, as the store holds them."""
+
+    async def usage_of(self, generation_id: str) -> list[UsageRecord]:
+        """The usage records stored for a generation (one per attempt)."""
 
 
 class UsageStore(Protocol):

@@ -28,11 +28,12 @@ from ._contract import (
     SCOPE_KEY,
     Ending,
     RequestState,
+    TakeoverStore,
     current_state,
     default_principal,
     new_generation_id,
 )
-from ._frames import DRAINED
+from ._frames import DRAINED, HANDED_OVER, TAKEN_OVER
 from ._lifecycle import lifecycle_of
 from ._outbound import Outbound, ResponseOptions
 from ._outcome import AppEnd, Counters, Outcome
@@ -46,17 +47,19 @@ from ._resume import (
 )
 from ._states import CLIENT_MOVES, CLIENT_OF_REASON, MOVES, Client, Delivery, Stage, moved
 from ._supervisor import Supervisor
+from ._takeover import Takeover, TakeoverOptions
 from ._transport import SUPPORTED as _TRANSPORT_SUPPORTED
 from ._transport import TransportMonitor, tune_listeners
 from ._writer import ClientWriter, LagClock
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from starlette.types import ASGIApp, Receive, Scope, Send
 
-    from ._contract import Backend
+    from ._contract import Backend, UsageSink
     from ._lifecycle import Lifecycle
+    from ._records import Adopted
 
 __all__ = ["DisconnectMiddleware"]
 
@@ -127,6 +130,8 @@ class DisconnectMiddleware:
         resume_secret: bytes | None = None,
         resume_token_ttl: float = 300.0,
         client_timeout: float | None = 10.0,
+        upstreams: Mapping[str, Any] | None = None,
+        takeover_sinks: Sequence[UsageSink] = (),
     ) -> None:
         _check_options(
             client_timeout=client_timeout,
@@ -197,6 +202,21 @@ class DisconnectMiddleware:
         # Generation id -> its exchange, while it runs here: what a Stop reaches.
         self._running: dict[str, _Exchange] = {}
         backend.on_cancel = self._stop
+        # Takeover: detached generations of a replica that died, continued here with the
+        # upstream clients registered by name (open_stream's ``upstream=``).
+        self._takeovers: dict[str, Takeover] = {}
+        self._takeover_options = TakeoverOptions(upstreams or {}, takeover_sinks)
+        if isinstance(backend, TakeoverStore):
+            backend.on_fenced = self._fenced
+            if upstreams:
+                backend.upstreams = tuple(upstreams)
+                backend.on_takeover = self._take_over
+        elif upstreams:
+            logger.warning(
+                "upstreams= is for a durable backend shared by replicas (SQLite, PostgreSQL): "
+                "on %s no generation outlives its process, so none is taken over",
+                type(backend).__name__,
+            )
         # Set while a drain waits for running work to end (see _until_quiet).
         self._quieter: asyncio.Future[None] | None = None
         self.supervisor.on_task_done = self._one_ended
@@ -266,6 +286,8 @@ class DisconnectMiddleware:
             redact_tokens_in_access_logs()  # again: a server may configure logging late
         await self.backend.open()
         self.supervisor.start()
+        if isinstance(self.backend, TakeoverStore):
+            await self._check_upstreams(self.backend)
         if self.client_timeout is not None and not _TRANSPORT_SUPPORTED:
             logger.warning(
                 "silent clients (no FIN, no RST) are detected only by the lag rules on %s: "
@@ -278,6 +300,22 @@ class DisconnectMiddleware:
             self._scans = [
                 loop.call_later(delay, self._tune_listeners) for delay in _LISTENER_SCANS
             ]
+
+    async def _check_upstreams(self, store: TakeoverStore) -> None:
+        """Say at startup which upstreams running detached generations would be continued
+        with that this replica has no client for."""
+        try:
+            missing = await store.unregistered_upstreams()
+        except Exception as exc:
+            logger.debug("the upstreams of running generations could not be read: %s", exc)
+            return
+        if missing:
+            logger.warning(
+                "running detached generations are continued with upstream(s) %s, which this "
+                "replica does not register (upstreams=): if their owners die, only a replica "
+                "that does can finish them, else they stay interrupted",
+                ", ".join(repr(name) for name in missing),
+            )
 
     def _tune_listeners(self) -> asyncio.Future[set[int]]:
         """Give the process's listening sockets the client timeout (see _transport), in a
@@ -342,11 +380,21 @@ class DisconnectMiddleware:
 
     def _stop_admitting(self) -> None:
         self.supervisor.stop_admitting()
+        if isinstance(self.backend, TakeoverStore):
+            self.backend.taking_over = False  # a process that drains takes nothing over
         if self.transport is not None:
             self.transport.settle_all()
 
     async def _finish_generations(self) -> None:
         # Before the app's own shutdown, so its resources (upstream clients) are still open.
+        if isinstance(self.backend, TakeoverStore):
+            # Detached work another replica can finish is handed over at the deadline,
+            # not interrupted.
+            loop = asyncio.get_running_loop()
+            await self._until_quiet(loop.time() + self.shutdown_timeout)
+            self.hand_over()
+            await self.supervisor.drain(_TEARDOWN_TIMEOUT)
+            return
         await self.supervisor.drain(self.shutdown_timeout)
 
     async def _drain(self, deadline: float, retry_after: int) -> None:
@@ -355,6 +403,12 @@ class DisconnectMiddleware:
         that says to retry after ``retry_after`` seconds."""
         loop = asyncio.get_running_loop()
         await self._until_quiet(deadline)
+        handed = self.hand_over()
+        if handed:
+            logger.warning(
+                "drain deadline reached: %d detached generation(s) handed over to another replica",
+                handed,
+            )
         interrupted = self.interrupt(retry_after)
         if interrupted:
             logger.warning(
@@ -381,6 +435,42 @@ class DisconnectMiddleware:
         for task in tasks:
             task.cancel()  # detached work whose response never started
         return len(drained) + len(tasks)
+
+    def hand_over(self) -> int:
+        """Leave every detached generation running here that another replica can finish
+        (its relay recorded a continuation) to the store, for a replica to take over; how
+        many. On a backend that cannot, none."""
+        if not isinstance(self.backend, TakeoverStore):
+            return 0
+        handed = [exchange for exchange in list(self._running.values()) if exchange.hand_over()]
+        for takeover in list(self._takeovers.values()):
+            if takeover.hand_over():
+                handed.append(takeover)  # type: ignore[arg-type]
+                self.counters.handed_over += 1
+        return len(handed)
+
+    def _take_over(self, adopted: Adopted) -> None:
+        """The store chose this process to finish a generation whose owner is gone."""
+        assert isinstance(self.backend, TakeoverStore)
+        takeover = Takeover(
+            adopted, self.backend, self._takeover_options, self.counters, self._takeover_ended
+        )
+        self._takeovers[adopted.id] = takeover
+        self.counters.takeovers += 1
+        takeover.task = self.supervisor.spawn(takeover.run())
+
+    def _takeover_ended(self, takeover: Takeover) -> None:
+        self._takeovers.pop(takeover.id, None)
+
+    def _fenced(self, generation_id: str) -> None:
+        """Another replica took over a generation running here: it stops here."""
+        exchange = self._running.get(generation_id)
+        if exchange is not None:
+            exchange.fenced()
+        takeover = self._takeovers.get(generation_id)
+        if takeover is not None:
+            self.counters.fenced += 1
+            takeover.fenced()
 
     async def _until_quiet(self, until: float) -> None:
         """Until no exchange runs here and the supervisor holds no work, or the loop's clock
@@ -412,7 +502,10 @@ class DisconnectMiddleware:
     def _stop(self, generation_id: str) -> bool:
         """Stop a generation running here on its owner's request (``POST .../cancel``)."""
         exchange = self._running.get(generation_id)
-        return exchange is not None and exchange.stop()
+        if exchange is not None:
+            return exchange.stop()
+        takeover = self._takeovers.get(generation_id)
+        return takeover is not None and takeover.stop()
 
     def learn_route(self, scope: Scope) -> None:
         """Remember whether this route can only cancel, so later requests run it inline."""
@@ -934,6 +1027,40 @@ class _Exchange:
         self.mw.counters.drained += 1
         self._cancel_now(runner, "drained")
         return True
+
+    def hand_over(self) -> bool:
+        """Leave detached work to another replica (a drain or shutdown whose deadline came):
+        it stops here without an error frame and without cancelling at the provider, and its
+        store row loses its owner, for a replica to take over. True if it was handed over."""
+        generation = self.out.generation
+        runner = self._cancellable()
+        if (
+            runner is None
+            or self.stage is not _STAGE_DETACHED
+            or generation is None
+            or generation.continuation is None
+        ):
+            return False
+        self.move(_STAGE_CANCELLING)
+        generation.handed_over = True
+        self.outcome.interrupt_reason = HANDED_OVER
+        self.state.stopped_by = "drain"
+        self.state.note("handed_over")
+        self.mw.counters.handed_over += 1
+        self._cancel(runner)
+        return True
+
+    def fenced(self) -> None:
+        """Another replica took the generation over (this one was partitioned or frozen):
+        stop the work here; nothing more of it is written from this process."""
+        runner = self._cancellable()
+        if runner is None:
+            return
+        self.move(_STAGE_CANCELLING)
+        self.outcome.interrupt_reason = TAKEN_OVER
+        self.state.note("fenced")
+        self.mw.counters.fenced += 1
+        self._cancel(runner)
 
     def _cancellable(self) -> asyncio.Task[Any] | None:
         """The task that runs the app, if a Stop or a drain can still cancel it."""

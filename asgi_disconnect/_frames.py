@@ -25,6 +25,9 @@ _encode = msgspec.json.Encoder().encode
 STOPPED = "stopped by its owner"
 # The error of a generation a drain ended; its log ends with its draining frame.
 DRAINED = "interrupted by a drain: the server is shutting down"
+# Why a detached generation stopped here to be finished elsewhere.
+HANDED_OVER = "handed over to another replica: this one is shutting down"
+TAKEN_OVER = "taken over by another replica: this one had lost its lease"
 
 LINE_END = re.compile(rb"\r\n|\r|\n")
 

@@ -372,4 +372,5 @@ class Generation:
             finished_at=self.finished_at,
             detached=self.detached,
             error=self.error,
+            attempt=self.attempt,
         )

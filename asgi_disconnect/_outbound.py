@@ -604,6 +604,8 @@ class Outbound:
         if state.policy is not None:
             generation.policy = state.policy.value
             generation.detached = state.detached
+        if state.continuation is not None:
+            generation.continuation = state.continuation
         # What the client has not received stays in memory, unless the store gives it back.
         generation.reader = state
         generation.reads_back = self.options.reads_back

@@ -46,13 +46,19 @@ class Counters:
 
     __slots__ = (
         "cancelled",
+        "continuations",
+        "continued",
         "detach_completed",
         "detached",
         "disconnects",
         "drained",
+        "fenced",
+        "handed_over",
         "interrupted",
+        "left_interrupted",
         "policy_errors",
         "stopped",
+        "takeovers",
     )
 
     def __init__(self) -> None:
@@ -64,9 +70,20 @@ class Counters:
         self.drained = 0
         self.policy_errors = 0
         self.stopped = 0
+        # Takeover: generations taken over here, continued by kind ("continuations" counts
+        # all; by kind in ``continued``), handed over by a drain, fenced (another replica
+        # took one over from here), and taken over but left interrupted.
+        self.takeovers = 0
+        self.continuations = 0
+        self.handed_over = 0
+        self.fenced = 0
+        self.left_interrupted = 0
+        self.continued: dict[str, int] = {}
 
     def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        counts = {name: getattr(self, name) for name in self.__slots__ if name != "continued"}
+        counts.update({f"continued_{kind}": n for kind, n in self.continued.items()})
+        return counts
 
 
 class AppEnd(enum.Enum):

@@ -25,11 +25,14 @@ class Status(enum.StrEnum):
     INTERRUPTED = "interrupted"
 
 
-class GenerationInfo(msgspec.Struct, frozen=True, kw_only=True):
+class GenerationInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What ``GET {resume_prefix}/{id}`` reports about a generation.
 
     ``created_at`` and ``finished_at`` are Unix seconds by the producing process's clock,
     to the microsecond, the same whether read from the live log or from a database.
+    ``attempt`` is 1 unless a replica took it over (then it counts the upstream calls);
+    ``owner`` is the store's token of the process that produces it (the command line shows
+    it; the endpoints do not).
     """
 
     id: str
@@ -42,6 +45,8 @@ class GenerationInfo(msgspec.Struct, frozen=True, kw_only=True):
     finished_at: float | None
     detached: bool
     error: str | None
+    attempt: int = 1
+    owner: str | None = None
 
 
 class Adopted(msgspec.Struct, frozen=True, kw_only=True):

@@ -55,6 +55,8 @@ _ENDINGS = {
 
 
 def _info_json(info: GenerationInfo) -> bytes:
+    if info.owner is not None:
+        info = msgspec.structs.replace(info, owner=None)  # the store's token, not the API's
     return msgspec.json.encode(info)
 
 

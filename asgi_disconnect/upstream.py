@@ -27,6 +27,7 @@ logged in one line, never raised to the server; an upstream that cannot be reach
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from ._contract import Closable
+
+logger = logging.getLogger("asgi_disconnect")
 
 __all__ = [
     "FirstTokenTimeout",
@@ -188,6 +191,9 @@ async def open_stream(
     idle_timeout: float | None = 60.0,
     provider: str | None = None,
     ask_for_usage: bool = False,
+    upstream: str | None = None,
+    continuation: str | None = None,
+    fallback: str = "interrupted",
 ) -> UpstreamStream:
     """Send ``request`` with ``client`` (an ``httpx.AsyncClient``, or httpx2's) and return
     its event stream, an async iterator of the body's bytes, unchanged.
@@ -204,8 +210,32 @@ async def open_stream(
     response is tracked on the current request (``track``) and closed, shielded, on
     every way out of the iteration. Give the client a read timeout longer than both (or
     none): these are the ones that tell a slow stream from a dead one.
+
+    ``continuation``: how another replica finishes the generation of a detaching route if
+    this process dies (or drains) before it ends, with its own client registered as
+    ``upstream`` (``install(upstreams={name: client})`` on every replica):
+
+    - ``"responses"``: OpenAI Responses. The request is sent in background mode
+      (``background``, ``store``), so the provider keeps generating; the new owner
+      re-attaches by the response id and the last sequence number the log holds: the same
+      bytes, no second bill. A Stop or a cancel uses the provider's cancel endpoint.
+    - ``"continue_final_message"``: an OpenAI-compatible server that continues a final
+      assistant message (vLLM, SGLang): the request again, with the stored text as that
+      message.
+    - ``"prefill"``: Anthropic Messages, the stored text as the assistant's prefill; where
+      the model refuses prefill, ``fallback`` decides: ``"synthetic"`` (ask the model to go
+      on from the stored text; not byte-exact), ``"restart"`` or ``"interrupted"``.
+    - ``"restart"``: the request again from the start; readers get an
+      ``asgi_disconnect.restart`` event saying the earlier output is replaced.
+
+    Only the method, URL, JSON body and non-credential headers are stored, never a key; the
+    stream is relayed in whole events, so the log always ends at an event's end.
     """
     loop = asyncio.get_running_loop()
+    recorded = None
+    if continuation is not None:
+        recorded = _continuation_of(client, request, continuation, upstream, fallback)
+        request = recorded[1]
     first_deadline = None if first_token_timeout is None else loop.time() + first_token_timeout
     hide_usage = False
     if ask_for_usage:
@@ -223,6 +253,11 @@ async def open_stream(
         raise UpstreamUnreachable(f"the upstream could not be reached: {exc!r}") from exc
     if track(response):
         _describe(request)
+    state = current_state.get()
+    if recorded is not None and state is not None and 200 <= response.status_code < 300:
+        state.continuation = recorded[0]
+        if state.generation is not None:
+            state.generation.continuation = recorded[0]
     if not 200 <= response.status_code < 300:
         try:
             async with asyncio.timeout_at(first_deadline):
@@ -234,7 +269,82 @@ async def open_stream(
         raise UpstreamStatusError(
             response.status_code, _decoded(body), response.headers.get("retry-after")
         )
-    return UpstreamStream(response, first_deadline, idle_timeout, provider, hide_usage=hide_usage)
+    stream = UpstreamStream(
+        response,
+        first_deadline,
+        idle_timeout,
+        provider,
+        hide_usage=hide_usage,
+        whole_events=recorded is not None,
+    )
+    if continuation == "responses":
+        # A background response outlives its connection: cancelling means asking the
+        # provider (with this request's own headers, which are not stored).
+        track(_BackgroundResponse(client, request, stream))
+    return stream
+
+
+def _continuation_of(
+    client: Any, request: Any, kind: str, upstream: str | None, fallback: str
+) -> tuple[tuple[str, bytes], Any]:
+    """What the generation records for a takeover, and the request to send (in background
+    mode for ``"responses"``)."""
+    from ._continuation import background_body, encode, recorded
+
+    if not upstream:
+        raise ValueError(
+            "open_stream(continuation=...) needs upstream=, the name every replica registers "
+            "its client for this upstream under (install(upstreams={name: client}))"
+        )
+    try:
+        body = request.content
+    except Exception:
+        raise ValueError(
+            "open_stream(continuation=...) needs a request whose body is in memory (JSON), "
+            "not a streamed body"
+        ) from None
+    if kind == "responses":
+        body = background_body(body)
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() != "content-length"]
+        request = client.build_request(request.method, request.url, headers=headers, content=body)
+    record = recorded(
+        kind,
+        upstream=upstream,
+        method=request.method,
+        url=str(request.url),
+        body=body,
+        headers=tuple(request.headers.items()),
+        fallback=fallback,
+    )
+    return (upstream, encode(record)), request
+
+
+class _BackgroundResponse:
+    """A tracked OpenAI background response: closing it for a cancel or a Stop asks the
+    provider to cancel it (``POST .../responses/{id}/cancel``), unless it ended."""
+
+    def __init__(self, client: Any, request: Any, stream: UpstreamStream) -> None:
+        self.http = client
+        self.request = request
+        self.stream = stream
+
+    async def aclose(self) -> None:
+        stream = self.stream
+        await stream.aclose()
+        response_id = stream.response_id
+        if response_id is None or stream.meter.ending() == "complete":
+            return
+        headers = [(k, v) for k, v in self.request.headers.items() if k.lower() != "content-length"]
+        url = f"{str(self.request.url).rstrip('/')}/{response_id}/cancel"
+        cancel = self.http.build_request("POST", url, headers=headers, content=b"")
+        response = await self.http.send(cancel)
+        if response.status_code >= 300:
+            logger.warning(
+                "the provider refused to cancel background response %s: %s %s",
+                response_id,
+                response.status_code,
+                response.text[:500],
+            )
 
 
 class UpstreamStream:
@@ -248,9 +358,13 @@ class UpstreamStream:
         provider: str | None,
         *,
         hide_usage: bool = False,
+        whole_events: bool = False,
     ) -> None:
         self.response = response
         self.meter = StreamMeter(provider)
+        self._whole_events = whole_events
+        # An OpenAI Responses stream's id, once its first event named it (whole events only).
+        self.response_id: str | None = None
         self._first_deadline = first_deadline
         self._idle_timeout = idle_timeout
         self._hide_usage = hide_usage
@@ -299,6 +413,10 @@ class UpstreamStream:
                     chunk = self._hidden(chunk)
                     if not chunk:
                         continue
+                elif self._whole_events:
+                    chunk = self._whole(chunk)
+                    if not chunk:
+                        continue
                 yield chunk
             if self._pending:
                 yield self._pending
@@ -313,6 +431,17 @@ class UpstreamStream:
                 raise TruncatedStream("the upstream body ended without its terminal marker")
         finally:
             await shielded(self.response.aclose())
+
+    def _whole(self, chunk: bytes) -> bytes:
+        """The whole events ``chunk`` completes, the rest kept for the next one."""
+        data = self._pending + chunk if self._pending else chunk
+        lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        self._pending = data[end:]
+        whole = data[:end]
+        if self.response_id is None and b"response.created" in whole:
+            self.response_id = _response_id(whole)
+        return whole
 
     def _hidden(self, chunk: bytes) -> bytes:
         """``chunk`` as the caller would have had it without asking for usage: whole events
@@ -336,6 +465,29 @@ class UpstreamStream:
         report = self.meter.report()
         if state is not None and report.usage_source == "provider":
             state.upstream_usage = report
+
+
+class _Created(msgspec.Struct):
+    response: Any = None
+
+
+_CREATED = msgspec.json.Decoder(_Created)
+
+
+def _response_id(events: bytes) -> str | None:
+    """The response id of an OpenAI Responses stream's ``response.created`` event."""
+    for event in events.split(b"\n\n"):
+        if b"response.created" not in event:
+            continue
+        for line in event.splitlines():
+            if line.startswith(b"data:"):
+                try:
+                    response = _CREATED.decode(line[5:].strip()).response
+                except msgspec.DecodeError:
+                    return None
+                if isinstance(response, dict) and isinstance(response.get("id"), str):
+                    return str(response["id"])
+    return None
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:

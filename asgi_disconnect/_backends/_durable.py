@@ -70,6 +70,9 @@ class SQLWrites(Protocol):
         """Mark lapsed generations ``interrupted``: at once those no replica can take over,
         the others once ``grace`` seconds passed or their ``max_attempts`` ran out."""
 
+    async def continued_upstreams(self) -> list[str]:
+        """The upstream names the running detached generations' continuations need."""
+
     async def take_over(
         self, owner: str, lease: float, limit: int, upstreams: list[str], max_attempts: int
     ) -> list[Adopted]:
@@ -475,6 +478,14 @@ class DurableBackend:
             )
             self.adopted.add(adopted.id)
             on_takeover(adopted)
+
+    async def unregistered_upstreams(self) -> list[str]:
+        """The upstreams running detached generations would be continued with that this
+        process has no client for (``upstreams``): if their owners die, only a replica
+        that has one can finish them."""
+        await self._ensure_open()
+        needed = await self.store.continued_upstreams()
+        return sorted(set(needed) - set(self.upstreams))
 
     def adopt(self, generation: LiveLog, size: int) -> None:
         """Write what a taken-over ``generation`` appends after its stored ``size`` bytes."""

@@ -314,6 +314,13 @@ class PostgresStore:
     async def heartbeat(self, owner: str, lease: float) -> None:
         await self.pool.execute(self._sql["heartbeat"], owner, lease)
 
+    async def continued_upstreams(self) -> list[str]:
+        rows = await self.pool.fetch(
+            f"select distinct upstream from {self._t}generations "
+            "where status = 'running' and detached and upstream is not null"
+        )
+        return [row[0] for row in rows]
+
     async def take_over(
         self, owner: str, lease: float, limit: int, upstreams: list[str], max_attempts: int
     ) -> list[Adopted]:
@@ -715,7 +722,7 @@ def _statements(t: str) -> dict[str, str]:
         "info": f"""
             select id, status, policy, size, status_code, content_type,
                    extract(epoch from created_at)::float8, extract(epoch from finished_at)::float8,
-                   detached, error, principal
+                   detached, error, principal, attempt, owner
             from {t}generations
             where id = $1 and (expires_at is null or expires_at > now())""",
         "read": f"""

@@ -37,7 +37,8 @@ def encode_response(response: StoredResponse) -> bytes:
 
 def info_from_row(row: Any) -> tuple[GenerationInfo, str]:
     """A generation row (id, status, policy, size, status_code, content_type, created_at,
-    finished_at, detached, error, principal) as its info and its principal."""
+    finished_at, detached, error, principal[, attempt, owner]) as its info and its
+    principal."""
     return (
         GenerationInfo(
             id=row[0],
@@ -50,6 +51,8 @@ def info_from_row(row: Any) -> tuple[GenerationInfo, str]:
             finished_at=row[7],
             detached=bool(row[8]),
             error=row[9],
+            attempt=row[11] if len(row) > 11 else 1,
+            owner=row[12] if len(row) > 12 else None,
         ),
         row[10],
     )

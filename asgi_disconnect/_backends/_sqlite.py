@@ -145,7 +145,7 @@ returning owner
 
 _INFO = f"""
 select id, status, policy, size, status_code, content_type, created_at, finished_at,
-       detached, error, principal
+       detached, error, principal, attempt, owner
 from asgi_disconnect_generations
 where id = ? and (expires_at is null or expires_at > {_NOW})
 """
@@ -394,6 +394,18 @@ class SQLiteStore:
             return [row[0] for row in rows]
 
         return await self._run(self._write, interrupt)
+
+    async def continued_upstreams(self) -> list[str]:
+        def select() -> list[str]:
+            db = self._db
+            assert db is not None
+            rows = db.execute(
+                "select distinct upstream from asgi_disconnect_generations "
+                "where status = 'running' and detached and upstream is not null"
+            ).fetchall()
+            return [row[0] for row in rows]
+
+        return await self._run(select)
 
     async def take_over(
         self, owner: str, lease: float, limit: int, upstreams: list[str], max_attempts: int

@@ -26,7 +26,6 @@ def server(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-
 def tokens_in(body: bytes) -> int:
     """FakeProvider's tokens are "tok0 ", "tok1 ", ..."""
     return len(re.findall(rb"tok\d+ ", body))

@@ -28,7 +28,6 @@ CHUNKED_BODY = (
 DECODED = b"helloabcdefghijklmnopqrstuvwxyz"
 
 
-
 def run(coroutine: Coroutine[Any, Any, ClientResult]) -> ClientResult:
     return asyncio.run(coroutine)
 

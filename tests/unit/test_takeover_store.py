@@ -101,7 +101,8 @@ async def test_only_a_replica_with_the_upstream_registered_takes_it_over(url: st
         info = await other.get(GID)
         assert info is not None
         assert info.status is Status.INTERRUPTED
-        assert info.error is not None and "'anthropic'" in info.error
+        assert info.error is not None
+        assert "'anthropic'" in info.error
     finally:
         await owner.aclose()
         await other.aclose()
@@ -193,7 +194,8 @@ async def test_a_handed_over_generation_is_taken_at_once_and_not_interrupted(url
         assert adopted.id == GID
         assert adopted.size == len(b"data: one\n\n")
         info = await taker.get(GID)
-        assert info is not None and info.status is Status.RUNNING
+        assert info is not None
+        assert info.status is Status.RUNNING
     finally:
         await owner.aclose()
         await taker.aclose()

@@ -1,0 +1,401 @@
+"""A detached generation taken over from a replica that died or drained: an exchange with
+no client, run by this process's supervisor until the generation ends.
+
+The store chose this process (``Adopted``, its attempt the fencing token). The generation's
+stored bytes say where the answer stands; ``_continuation.plan`` says which upstream call
+produces the rest and stitches it onto them, so readers see one stream with one terminal
+marker. The call is signed by this replica's own client registered under the upstream's name;
+nothing the old owner held (a key, a connection) is needed. One usage record per attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from ._aio import shielded
+from ._continuation import Attempt, Continuation, decode, plan
+from ._errors import UpstreamStatusError, UpstreamStreamError, UpstreamUnreachable
+from ._frames import HANDED_OVER, STOPPED, TAKEN_OVER, error_frame
+from ._llm_stream import StreamMeter
+from ._log import Generation
+from ._records import Status, UsageRecord
+from .upstream import open_stream
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+    from ._contract import TakeoverStore, UsageSink
+    from ._outcome import Counters
+    from ._records import Adopted
+
+__all__ = ["Takeover", "TakeoverOptions"]
+
+logger = logging.getLogger("asgi_disconnect")
+
+
+class TakeoverOptions:
+    """What every takeover of one middleware shares: the upstream clients by name, where
+    its records go, and the deadlines of the continuation's upstream call."""
+
+    __slots__ = ("clients", "first_token_timeout", "idle_timeout", "queued_timeout", "sinks")
+
+    def __init__(
+        self,
+        clients: Mapping[str, Any],
+        sinks: Sequence[UsageSink],
+        *,
+        first_token_timeout: float = 60.0,
+        idle_timeout: float = 120.0,
+        queued_timeout: float = 120.0,
+    ) -> None:
+        self.clients = dict(clients)
+        self.sinks = tuple(sinks)
+        self.first_token_timeout = first_token_timeout
+        self.idle_timeout = idle_timeout
+        self.queued_timeout = queued_timeout
+
+
+class Takeover:
+    """One taken-over generation, from its stored prefix to its end (see the module)."""
+
+    def __init__(
+        self,
+        adopted: Adopted,
+        store: TakeoverStore,
+        options: TakeoverOptions,
+        counters: Counters,
+        on_end: Callable[[Takeover], None],
+    ) -> None:
+        self.adopted = adopted
+        self.store = store
+        self.options = options
+        self.counters = counters
+        self.on_end = on_end
+        self.task: asyncio.Task[None] | None = None
+        self.generation = Generation.adopted(
+            generation_id=adopted.id,
+            principal=adopted.principal,
+            size=adopted.size,
+            status_code=adopted.status_code,
+            content_type=adopted.content_type,
+            policy=adopted.policy,
+            created_at=adopted.created_at,
+            attempt=adopted.attempt,
+        )
+        self.stopped = False  # a Stop: the provider is asked to cancel, the log says so
+        self.continuation: Continuation | None = None
+        self._attempt: Attempt | None = None
+        self._stream: Any = None
+
+    @property
+    def id(self) -> str:
+        return self.adopted.id
+
+    async def run(self) -> None:
+        generation = self.generation
+        started_at = time.time()
+        began = time.monotonic()
+        self.store.adopt(generation, self.adopted.size)
+        appended = 0
+        first_event: float | None = None
+        report = None
+        outcome, error, error_type = "interrupted", None, None
+        try:
+            try:
+                continuation = self.continuation = decode(self.adopted.continuation)
+                stored = await self.store.read_all(generation.id, self.adopted.size)
+                attempt = plan(continuation, stored)
+            except ValueError as exc:
+                error = f"its continuation cannot be planned: {exc}"
+                return
+            await self._record_lost_attempt(continuation, stored)
+            if attempt is None:
+                error = f"its {continuation.kind} continuation is not possible here"
+                return
+            client = self.options.clients.get(continuation.upstream)
+            if client is None:
+                error = f"upstream {continuation.upstream!r} is not registered on this replica"
+                return
+            try:
+                stream = await self._open(client, attempt)
+            except UpstreamStatusError as exc:
+                if attempt.kind != "prefill":
+                    raise
+                refused = plan(continuation, stored, refused=True)
+                if refused is None:
+                    raise
+                logger.warning(
+                    "generation %s: the provider refused prefill (%s); continuing as %s",
+                    generation.id,
+                    exc.status_code,
+                    refused.kind,
+                )
+                attempt = refused
+                stream = await self._open(client, attempt)
+            self._attempt = attempt
+            self.counters.continuations += 1
+            continued = self.counters.continued
+            continued[attempt.kind] = continued.get(attempt.kind, 0) + 1
+            stitcher = attempt.stitcher
+            queued = self.options.queued_timeout
+            async with asyncio.timeout(queued) as progress:
+                async for chunk in stream:
+                    if first_event is None:
+                        first_event = time.monotonic() - began
+                    data = stitcher.feed(chunk)
+                    if stitcher.progressed and progress.when() is not None:
+                        progress.reschedule(None)
+                    if data:
+                        generation.append(data)
+                        appended += len(data)
+                        hold = generation.hold
+                        if hold is not None and generation.size - generation.base > (1 << 21):
+                            await hold.room()
+                rest = stitcher.end()
+                if rest:
+                    generation.append(rest)
+                    appended += len(rest)
+            report = stream.meter.report()
+            outcome = "complete"
+        except TimeoutError:
+            error = f"the provider's response stayed queued for {self.options.queued_timeout:g} s"
+            error_type = "queued_timeout"
+        except asyncio.CancelledError:
+            if self.stopped:
+                error, outcome = STOPPED, "cancelled"
+                await shielded(self._cancel_at_provider())
+            elif self.generation.handed_over:
+                error = HANDED_OVER
+            else:
+                error = TAKEN_OVER
+            raise
+        except UpstreamStatusError as exc:
+            error = f"the provider refused the continuation: {exc.status_code} {exc.error}"
+            error_type = "continuation_refused"
+        except (UpstreamStreamError, UpstreamUnreachable) as exc:
+            error = f"the continuation failed: {exc}"
+            error_type = getattr(exc, "error_type", "stream_error")
+            outcome = "error"
+        finally:
+            if self._stream is not None:
+                report = report or self._stream.meter.report()
+            self._end(outcome, error, error_type)
+            self._record(outcome, error_type, report, appended, first_event, started_at, began)
+
+    async def _open(self, client: Any, attempt: Attempt) -> Any:
+        request = client.build_request(
+            attempt.method, attempt.url, headers=list(attempt.headers), content=attempt.body
+        )
+        stream = await open_stream(
+            client,
+            request,
+            first_token_timeout=self.options.first_token_timeout,
+            idle_timeout=self.options.idle_timeout,
+        )
+        self._stream = stream
+        return stream
+
+    def _end(self, outcome: str, error: str | None, error_type: str | None) -> None:
+        generation = self.generation
+        if outcome == "complete":
+            generation.finish(Status.COMPLETE)
+        elif generation.running:
+            status = Status.CANCELLED if outcome == "cancelled" else Status.INTERRUPTED
+            if outcome == "error":
+                status = Status.FAILED
+            if outcome != "interrupted" or error_type is not None:
+                generation.append_frame(
+                    error_frame(generation.id, error_type or "stopped", error or outcome)
+                )
+            generation.finish(status, error)
+        if outcome != "complete" and not generation.handed_over:
+            self.counters.left_interrupted += outcome == "interrupted"
+            logger.warning(
+                "generation %s (attempt %d, taken over): ended %s: %s",
+                generation.id,
+                generation.attempt,
+                generation.status.value,
+                error,
+            )
+        self.store.adopted_ended(generation.id)
+        self.on_end(self)
+
+    def _record(
+        self,
+        outcome: str,
+        error_type: str | None,
+        report: Any,
+        appended: int,
+        first_event: float | None,
+        started_at: float,
+        began: float,
+    ) -> None:
+        continuation = self.continuation
+        attempt = self._attempt
+        note = None
+        if attempt is not None and not attempt.byte_exact:
+            note = (
+                f"a {attempt.kind} continuation (attempt {self.generation.attempt}): not byte-exact"
+            )
+        record = UsageRecord(
+            generation_id=self.generation.id,
+            principal=self.adopted.principal,
+            method=continuation.method if continuation is not None else "POST",
+            route=continuation.url if continuation is not None else "",
+            status_code=self.adopted.status_code,
+            provider=continuation.upstream if continuation is not None else None,
+            model=report.model if report is not None else None,
+            outcome=outcome,
+            input_tokens=report.input_tokens if report is not None else None,
+            output_tokens=report.output_tokens if report is not None else None,
+            usage_source=report.usage_source if report is not None else "none",
+            produced_bytes=appended,
+            delivered_bytes=0,
+            produced_output_tokens=report.output_tokens if report is not None else None,
+            delivered_output_tokens=None,
+            time_to_first_event=first_event,
+            duration=time.monotonic() - began,
+            finish_reason=report.finish_reason if report is not None else None,
+            error_type=error_type,
+            started_at=started_at,
+            cache_read_tokens=report.cache_read_tokens if report is not None else None,
+            reasoning_tokens=report.reasoning_tokens if report is not None else None,
+            policy="detach",
+            detached=True,
+            usage_note=note,
+            attempt=self.generation.attempt,
+        )
+        self._emit(record)
+
+    async def _record_lost_attempt(self, continuation: Continuation, stored: bytes) -> None:
+        """The attempt before this one died with its process before its record was written:
+        write one for it, so that every upstream call has its record. Its counts are
+        estimates from what the store kept (the provider's figures died with it); for a
+        background response the provider bills the response once, and the attempt that
+        finishes it carries the whole of that."""
+        previous = self.generation.attempt - 1
+        try:
+            records = await self.store.usage_of(self.generation.id)
+        except Exception as exc:
+            logger.warning(
+                "generation %s: its earlier attempts' records could not be read (%s)",
+                self.generation.id,
+                exc,
+            )
+            return
+        if any(record.attempt == previous for record in records):
+            return
+        meter = StreamMeter(None)
+        meter.feed(stored)
+        report = meter.report()
+        background = continuation.kind == "responses"
+        # Metering's default estimate: about four characters per token.
+        output = 0 if background else round(len(report.text) / 4)
+        self._emit(
+            UsageRecord(
+                generation_id=self.generation.id,
+                principal=self.adopted.principal,
+                method=continuation.method,
+                route=continuation.url,
+                status_code=self.adopted.status_code,
+                provider=continuation.upstream,
+                model=report.model,
+                outcome="interrupted",
+                input_tokens=0 if background else None,
+                output_tokens=output,
+                usage_source="estimated",
+                produced_bytes=len(stored),
+                delivered_bytes=0,
+                produced_output_tokens=output,
+                delivered_output_tokens=None,
+                time_to_first_event=None,
+                duration=0.0,
+                finish_reason=None,
+                error_type="owner_lost",
+                started_at=self.adopted.created_at,
+                policy="detach",
+                detached=True,
+                usage_note=(
+                    "written by the replica that took the generation over: its own process "
+                    "died first; "
+                    + (
+                        "the provider bills the background response once, with the attempt "
+                        "that finished it"
+                        if background
+                        else "output estimated from the stored text, input unknown"
+                    )
+                ),
+                attempt=previous,
+            )
+        )
+
+    def _emit(self, record: UsageRecord) -> None:
+        for sink in self.options.sinks:
+            try:
+                result = sink(record)
+            except Exception:
+                logger.exception("a usage sink failed for generation %s", record.generation_id)
+                continue
+            if result is not None:
+                task = asyncio.ensure_future(result)
+                task.add_done_callback(_log_sink_failure)
+
+    def stop(self) -> bool:
+        """Stop it on its owner's request: the upstream call is cancelled (for a background
+        response, at the provider too)."""
+        task = self.task
+        if task is None or task.done():
+            return False
+        self.stopped = True
+        task.cancel()
+        return True
+
+    def hand_over(self) -> bool:
+        """Leave it to another replica (this one drains): stopped here without a frame, its
+        row loses its owner. True if it was running."""
+        task = self.task
+        if task is None or task.done() or self.stopped:
+            return False
+        self.generation.handed_over = True
+        task.cancel()
+        return True
+
+    async def _cancel_at_provider(self) -> None:
+        """A Stop of a re-attached background response: the provider is asked to cancel it."""
+        continuation = self.continuation
+        attempt = self._attempt
+        if continuation is None or attempt is None or attempt.kind != "responses":
+            return
+        client = self.options.clients.get(continuation.upstream)
+        response_id = self._stream.response_id if self._stream is not None else None
+        response_id = response_id or attempt.url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+        if client is None or not response_id:
+            return
+        url = f"{continuation.url.rstrip('/')}/{response_id}/cancel"
+        try:
+            response = await client.post(url, headers=list(continuation.headers))
+        except Exception as exc:
+            logger.warning("cancelling background response %s failed: %s", response_id, exc)
+            return
+        if response.status_code >= 300:
+            logger.warning(
+                "the provider refused to cancel background response %s: %s",
+                response_id,
+                response.status_code,
+            )
+
+    def fenced(self) -> None:
+        """Another replica owns it now: stop here, writing nothing more."""
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()
+
+
+def _log_sink_failure(task: asyncio.Future[Any]) -> None:
+    with contextlib.suppress(asyncio.CancelledError):
+        if task.exception() is not None:
+            logger.error("an async usage sink failed: %s", task.exception())
