@@ -71,6 +71,8 @@ class Continuation(msgspec.Struct, frozen=True, kw_only=True):
     body: bytes
     headers: tuple[tuple[str, str], ...] = ()
     fallback: str = "interrupted"
+    # The first attempt's W3C ``traceparent``: the attempts after it link their spans to it.
+    trace: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -110,6 +112,7 @@ def recorded(
     body: bytes,
     headers: tuple[tuple[str, str], ...] | list[tuple[str, str]] = (),
     fallback: str = "interrupted",
+    trace: str | None = None,
 ) -> Continuation:
     """The continuation of a relay: only allow-listed headers are kept (a key never is)."""
     kept = tuple((k.lower(), v) for k, v in headers if k.lower() in _KEPT_HEADERS)
@@ -123,6 +126,7 @@ def recorded(
         body=body,
         headers=kept,
         fallback=fallback,
+        trace=trace,
     )
 
 

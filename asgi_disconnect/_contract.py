@@ -765,6 +765,19 @@ class GenerationLog(GenerationReader, Protocol):
         ``on_cancel``, on another replica through the store); False if it is not running."""
 
 
+class AttemptObserver(Protocol):
+    """Sees each upstream call a replica makes to finish a generation it took over: a span
+    per attempt, linked to the first attempt's (TelemetryMiddleware, through the lifecycle)."""
+
+    def attempt_started(
+        self, generation_id: str, attempt: int, kind: str, trace: str | None
+    ) -> object:
+        """The attempt began (``trace``: the first attempt's ``traceparent``); returns a
+        token for ``attempt_ended``."""
+
+    def attempt_ended(self, token: object, outcome: str, error: str | None) -> None: ...
+
+
 @runtime_checkable
 class TakeoverStore(Protocol):
     """A store shared by replicas (``DurableBackend``) through which one of them takes over

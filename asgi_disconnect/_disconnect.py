@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
     from starlette.types import ASGIApp, Receive, Scope, Send
 
-    from ._contract import Backend, UsageSink
+    from ._contract import AttemptObserver, Backend, UsageSink
     from ._lifecycle import Lifecycle
     from ._records import Adopted
 
@@ -205,7 +205,9 @@ class DisconnectMiddleware:
         # Takeover: detached generations of a replica that died, continued here with the
         # upstream clients registered by name (open_stream's ``upstream=``).
         self._takeovers: dict[str, Takeover] = {}
-        self._takeover_options = TakeoverOptions(upstreams or {}, takeover_sinks)
+        self._takeover_options = TakeoverOptions(
+            upstreams or {}, takeover_sinks, observer=self._attempt_observer
+        )
         if isinstance(backend, TakeoverStore):
             backend.on_fenced = self._fenced
             if upstreams:
@@ -390,8 +392,9 @@ class DisconnectMiddleware:
         if isinstance(self.backend, TakeoverStore):
             # Detached work another replica can finish is handed over at the deadline,
             # not interrupted.
-            loop = asyncio.get_running_loop()
-            await self._until_quiet(loop.time() + self.shutdown_timeout)
+            running = self.supervisor.tasks()
+            if running:
+                await asyncio.wait(running, timeout=self.shutdown_timeout)
             self.hand_over()
             await self.supervisor.drain(_TEARDOWN_TIMEOUT)
             return
@@ -458,6 +461,9 @@ class DisconnectMiddleware:
         self._takeovers[adopted.id] = takeover
         self.counters.takeovers += 1
         takeover.task = self.supervisor.spawn(takeover.run())
+
+    def _attempt_observer(self) -> AttemptObserver | None:
+        return None if self.lifecycle is None else self.lifecycle.attempts
 
     def _takeover_ended(self, takeover: Takeover) -> None:
         self._takeovers.pop(takeover.id, None)

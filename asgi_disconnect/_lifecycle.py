@@ -31,6 +31,8 @@ from ._contract import SCOPE_KEY
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+    from ._contract import AttemptObserver
+
 __all__ = ["Lifecycle", "Phase", "lifecycle_of"]
 
 logger = logging.getLogger("asgi_disconnect")
@@ -63,6 +65,8 @@ class Lifecycle:
         self.started = False
         self.stopping = False
         self.stopped = False
+        # Set by TelemetryMiddleware: it sees the attempts of generations taken over here.
+        self.attempts: AttemptObserver | None = None
 
     def register(
         self,

@@ -28,7 +28,7 @@ from .upstream import open_stream
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from ._contract import TakeoverStore, UsageSink
+    from ._contract import AttemptObserver, TakeoverStore, UsageSink
     from ._outcome import Counters
     from ._records import Adopted
 
@@ -41,7 +41,14 @@ class TakeoverOptions:
     """What every takeover of one middleware shares: the upstream clients by name, where
     its records go, and the deadlines of the continuation's upstream call."""
 
-    __slots__ = ("clients", "first_token_timeout", "idle_timeout", "queued_timeout", "sinks")
+    __slots__ = (
+        "clients",
+        "first_token_timeout",
+        "idle_timeout",
+        "observer",
+        "queued_timeout",
+        "sinks",
+    )
 
     def __init__(
         self,
@@ -51,8 +58,10 @@ class TakeoverOptions:
         first_token_timeout: float = 60.0,
         idle_timeout: float = 120.0,
         queued_timeout: float = 120.0,
+        observer: Callable[[], AttemptObserver | None] = lambda: None,
     ) -> None:
         self.clients = dict(clients)
+        self.observer = observer  # who sees each attempt (telemetry), once the lifespan ran
         self.sinks = tuple(sinks)
         self.first_token_timeout = first_token_timeout
         self.idle_timeout = idle_timeout
@@ -90,6 +99,7 @@ class Takeover:
         self.continuation: Continuation | None = None
         self._attempt: Attempt | None = None
         self._stream: Any = None
+        self._span: tuple[AttemptObserver, object] | None = None
 
     @property
     def id(self) -> str:
@@ -120,6 +130,8 @@ class Takeover:
             if client is None:
                 error = f"upstream {continuation.upstream!r} is not registered on this replica"
                 return
+            self._attempt = attempt
+            self._observe(continuation, attempt)
             try:
                 stream = await self._open(client, attempt)
             except UpstreamStatusError as exc:
@@ -134,9 +146,8 @@ class Takeover:
                     exc.status_code,
                     refused.kind,
                 )
-                attempt = refused
+                attempt = self._attempt = refused
                 stream = await self._open(client, attempt)
-            self._attempt = attempt
             self.counters.continuations += 1
             continued = self.counters.continued
             continued[attempt.kind] = continued.get(attempt.kind, 0) + 1
@@ -184,7 +195,23 @@ class Takeover:
             if self._stream is not None:
                 report = report or self._stream.meter.report()
             self._end(outcome, error, error_type)
+            if self._span is not None:
+                observer, token = self._span
+                observer.attempt_ended(token, outcome, error)
             self._record(outcome, error_type, report, appended, first_event, started_at, began)
+
+    def _observe(self, continuation: Continuation, attempt: Attempt) -> None:
+        observer = self.options.observer()
+        if observer is None:
+            return
+        try:
+            token = observer.attempt_started(
+                self.generation.id, self.generation.attempt, attempt.kind, continuation.trace
+            )
+        except Exception:
+            logger.exception("observing a takeover attempt failed")
+            return
+        self._span = (observer, token)
 
     async def _open(self, client: Any, attempt: Attempt) -> Any:
         request = client.build_request(

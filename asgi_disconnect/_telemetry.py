@@ -206,6 +206,9 @@ class TelemetryMiddleware:
              "Output tokens that reached the client."),
             ("asgi_disconnect.idempotency.requests", "{request}",
              "Requests with an Idempotency-Key, by outcome."),
+            ("asgi_disconnect.generations.taken_over", "{generation}",
+             "Attempts that finished a generation whose owner was gone, by continuation "
+             "kind and outcome (complete, interrupted, cancelled, error)."),
         ):  # fmt: skip
             counts = self.counts[name] = _Counts()
             meter.create_observable_counter(
@@ -267,10 +270,44 @@ class TelemetryMiddleware:
             except Exception:  # telemetry never fails a request
                 logger.exception("recording the request's telemetry failed")
 
+    def attempt_started(
+        self, generation_id: str, attempt: int, kind: str, trace: str | None
+    ) -> object:
+        """A span for one attempt of a generation taken over here, linked to the first
+        attempt's span (its ``traceparent``, stored with the generation)."""
+        links = []
+        if trace:
+            carrier = {"traceparent": trace}
+            first = self._get_current_span(self._propagate.extract(carrier)).get_span_context()
+            if first.is_valid:
+                links.append(self._trace.Link(first))
+        return self.tracer.start_span(
+            "asgi_disconnect.takeover",
+            kind=self._internal,
+            attributes={
+                "asgi_disconnect.generation_id": generation_id,
+                "asgi_disconnect.attempt": attempt,
+                "asgi_disconnect.continuation": kind,
+            },
+            links=links,
+        )
+
+    def attempt_ended(self, token: object, outcome: str, error: str | None) -> None:
+        span: Any = token
+        kind = str(span.attributes.get("asgi_disconnect.continuation", ""))
+        span.set_attribute("asgi_disconnect.outcome", outcome)
+        if error is not None and outcome != "complete":
+            span.set_status(self._error, error[:200])
+        span.end()
+        self.counts["asgi_disconnect.generations.taken_over"].add(
+            1, ("asgi_disconnect.continuation", "asgi_disconnect.outcome"), (kind, outcome)
+        )
+
     async def _not_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             lifecycle, owner = lifecycle_of(scope)
             lifecycle.register("TelemetryMiddleware", unique=True, close=self.flush)
+            lifecycle.attempts = self  # the attempts of generations taken over here
             await lifecycle.run(owner, self.app, scope, receive, send)
         else:
             await self.app(scope, receive, send)

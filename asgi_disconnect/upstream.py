@@ -315,8 +315,22 @@ def _continuation_of(
         body=body,
         headers=tuple(request.headers.items()),
         fallback=fallback,
+        trace=_traceparent(),
     )
     return (upstream, encode(record)), request
+
+
+def _traceparent() -> str | None:
+    """The current span's W3C ``traceparent``, where OpenTelemetry is installed: the spans of
+    the attempts that finish the generation elsewhere link to it."""
+    try:
+        from opentelemetry.trace import get_current_span
+    except ImportError:
+        return None
+    context = get_current_span().get_span_context()
+    if not context.is_valid:
+        return None
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
 
 
 class _BackgroundResponse:

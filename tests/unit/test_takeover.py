@@ -1,0 +1,233 @@
+"""The takeover of a generation whose owner is gone, in one process: a DurableBackend plays
+the dead owner (its worker stopped, as a killed process's would), a DisconnectMiddleware with
+the upstream registered takes the generation over from the store and continues it against a
+real FakeProvider; bad continuations end it ``interrupted`` with the provider's reason."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+
+from asgi_disconnect import DisconnectMiddleware, UsageRecord, connect
+from asgi_disconnect._backends import DurableBackend
+from asgi_disconnect._continuation import encode, recorded
+from asgi_disconnect._log import Generation, Status
+from asgi_disconnect.testing import FakeProvider
+from asgi_disconnect.testing._driver import lifespan
+
+pytestmark = pytest.mark.anyio
+
+GID = "gen_" + "K" * 24
+TOKENS = 30
+
+
+@pytest.fixture
+async def provider() -> AsyncIterator[FakeProvider]:
+    async with FakeProvider(tokens=TOKENS, tokens_per_second=0, background_ttl=0.0) as fake:
+        yield fake
+
+
+async def dead_owner(
+    url: str,
+    kind: str,
+    path: str,
+    stored: bytes,
+    body: dict[str, object],
+    *,
+    trace: str | None = None,
+) -> None:
+    """A generation left by an owner that died with ``stored`` written."""
+    owner = connect(url, flush_interval=0.02, lease=0.3)
+    assert isinstance(owner, DurableBackend)
+    await owner.open()
+    try:
+        generation = Generation(GID, principal="alice", content_type="text/event-stream")
+        generation.policy = "detach"
+        generation.detached = True
+        continuation = recorded(
+            kind,
+            upstream="fake",
+            method="POST",
+            url=path,
+            body=json.dumps(body).encode(),
+            headers=[("content-type", "application/json")],
+            trace=trace,
+        )
+        generation.continuation = ("fake", encode(continuation))
+        owner.register(generation)
+        generation.append(stored)
+        while await owner.flush():
+            pass
+        await owner.flush()
+        worker = owner._worker
+        assert worker is not None
+        worker.cancel()
+        await asyncio.gather(worker, return_exceptions=True)
+    finally:
+        owner._opened = False  # dead: nothing more is written, nothing flushed at close
+        await owner.store.aclose()
+
+
+def taker(url: str, client: httpx.AsyncClient, records: list[UsageRecord]) -> DisconnectMiddleware:
+    backend = connect(url, flush_interval=0.02, lease=0.3, takeover_interval=0.05)
+    return DisconnectMiddleware(
+        Starlette(),
+        backend=backend,
+        upstreams={"fake": client},
+        takeover_sinks=[records.append],
+    )
+
+
+async def ended(app: DisconnectMiddleware) -> Status:
+    async with asyncio.timeout(10):
+        while True:
+            info = await app.backend.get(GID)
+            if info is not None and info.status is not Status.RUNNING and info.attempt == 2:
+                return info.status
+            await asyncio.sleep(0.05)
+
+
+async def test_an_expired_background_response_ends_interrupted_with_the_providers_reason(
+    sqlite_url: str, provider: FakeProvider
+) -> None:
+    stored = (
+        b"event: response.created\n"
+        b'data: {"type":"response.created","sequence_number":0,'
+        b'"response":{"id":"resp_gone","status":"in_progress"}}\n\n'
+    )
+    await dead_owner(
+        sqlite_url,
+        "responses",
+        provider.url + "/v1/responses",
+        stored,
+        {"model": "fake-model", "input": "hi", "stream": True},
+    )
+    records: list[UsageRecord] = []
+    async with httpx.AsyncClient() as client:
+        app = taker(sqlite_url, client, records)
+        async with lifespan(app):
+            status = await ended(app)
+            info = await app.backend.get(GID)
+    assert status is Status.INTERRUPTED
+    assert info is not None
+    assert info.error is not None
+    assert "404" in info.error
+    assert "resp_gone" in info.error  # the provider's own words
+    attempts = [record for record in records if record.attempt == 2]
+    assert len(attempts) == 1
+    assert attempts[0].error_type == "continuation_refused"
+    assert app.counters.takeovers == 1
+
+
+async def test_a_taken_over_generation_can_be_stopped_and_is_recorded_cancelled(
+    sqlite_url: str,
+) -> None:
+    async with FakeProvider(tokens=400, tokens_per_second=50) as slow:
+        body = {
+            "model": "fake-model",
+            "stream": True,
+            "messages": [{"role": "user", "content": "x"}],
+        }
+        stored = (
+            b'data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"role":"assistant",'
+            b'"content":"tok0 "},"finish_reason":null}]}\n\n'
+        )
+        await dead_owner(
+            sqlite_url, "continue_final_message", slow.url + "/v1/chat/completions", stored, body
+        )
+        records: list[UsageRecord] = []
+        async with httpx.AsyncClient() as client:
+            app = taker(sqlite_url, client, records)
+            async with lifespan(app):
+                async with asyncio.timeout(10):
+                    while GID not in app._takeovers:
+                        await asyncio.sleep(0.02)
+                (call,) = slow.wait_for_requests(1)
+                assert await app.backend.request_cancel(GID)
+                status = await ended(app)
+                assert await call.await_closed(5)
+    assert status is Status.CANCELLED
+    assert call.connection_closed_early  # the provider stopped generating, and billing
+    (record,) = [record for record in records if record.attempt == 2]
+    assert record.outcome == "cancelled"
+
+
+async def test_each_attempt_has_a_span_linked_to_the_first_and_is_counted(
+    sqlite_url: str, provider: FakeProvider
+) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from asgi_disconnect import install
+
+    trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    body = {"model": "fake-model", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    stored = (
+        b'data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"role":"assistant",'
+        b'"content":"tok0 "},"finish_reason":null}]}\n\n'
+    )
+    await dead_owner(
+        sqlite_url,
+        "continue_final_message",
+        provider.url + "/v1/chat/completions",
+        stored,
+        body,
+        trace=f"00-{trace_id}-{span_id}-01",
+    )
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader])
+    records: list[UsageRecord] = []
+    async with httpx.AsyncClient() as client:
+        app = Starlette()
+        backend = connect(sqlite_url, flush_interval=0.02, lease=0.3, takeover_interval=0.05)
+        install(
+            app,
+            backend=backend,
+            sinks=[records.append],
+            upstreams={"fake": client},
+            tracer_provider=tracer_provider,
+            meter_provider=meter_provider,
+        )
+        async with lifespan(app):
+            async with asyncio.timeout(10):
+                while not [r for r in records if r.attempt == 2]:
+                    await asyncio.sleep(0.05)
+    (span,) = [s for s in spans.get_finished_spans() if s.name == "asgi_disconnect.takeover"]
+    assert span.attributes is not None
+    assert span.attributes["asgi_disconnect.attempt"] == 2
+    assert span.attributes["asgi_disconnect.continuation"] == "continue_final_message"
+    assert span.attributes["asgi_disconnect.outcome"] == "complete"
+    (link,) = span.links
+    assert f"{link.context.trace_id:032x}" == trace_id
+    assert f"{link.context.span_id:016x}" == span_id
+    data = reader.get_metrics_data()
+    points = [
+        point
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "asgi_disconnect.generations.taken_over"
+        for point in metric.data.data_points
+    ]
+    assert [(dict(p.attributes), p.value) for p in points] == [
+        (
+            {
+                "asgi_disconnect.continuation": "continue_final_message",
+                "asgi_disconnect.outcome": "complete",
+            },
+            1,
+        )
+    ]
+    tracer_provider.shutdown()
+    meter_provider.shutdown()
