@@ -805,6 +805,9 @@ class TakeoverStore(Protocol):
     async def usage_of(self, generation_id: str) -> list[UsageRecord]:
         """The usage records stored for a generation (one per attempt)."""
 
+    async def settle_claims(self, generation_id: str, response: StoredResponse | None) -> None:
+        """Complete (a replay of its log) or release the generation's idempotency claims."""
+
 
 class UsageStore(Protocol):
     """Where usage records are kept (``install(store_usage=True)``, the command line)."""

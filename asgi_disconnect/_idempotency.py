@@ -634,7 +634,7 @@ class IdempotencyMiddleware:
 
     async def _attach(self, generation_id: str, send: Send) -> None:
         generations = self._generations
-        assert generations is not None  # self.attach
+        assert generations is not None  # self.attach, or a claim settled by a takeover
         info = await generations.get(generation_id)
         if info is None:
             raise _Refusal(
@@ -657,6 +657,10 @@ class IdempotencyMiddleware:
     async def _replay(self, claim: Claim, send: Send) -> None:
         stored = claim.response
         assert stored is not None
+        if not stored.chunks and stored.generation_id and self._generations is not None:
+            # Settled by the replica that took the generation over: the answer is its log.
+            await self._attach(stored.generation_id, send)
+            return
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in stored.headers]
         headers.append(_REPLAYED)
         await send({"type": "http.response.start", "status": stored.status, "headers": headers})
@@ -749,6 +753,12 @@ class _ClaimedRequest:
                     middleware.pending_settles.start(self.detached_ending(state, ttl))
 
                 state.on_end(ended)
+                if not middleware.attach:
+                    # Known with the claim, a replica that takes the generation over (its
+                    # process died) settles the claim with it, so a retry never pays twice.
+                    middleware._note_generation(
+                        self.principal, self.key, self.owner, state.generation_id
+                    )
             else:
                 heartbeat.cancel()
                 # The response never reached its end (the client left, the app failed or

@@ -22,7 +22,7 @@ from ._errors import UpstreamStatusError, UpstreamStreamError, UpstreamUnreachab
 from ._frames import HANDED_OVER, STOPPED, TAKEN_OVER, error_frame
 from ._llm_stream import StreamMeter
 from ._log import Generation
-from ._records import Status, UsageRecord
+from ._records import Status, StoredResponse, UsageRecord
 from .upstream import open_stream
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ class Takeover:
             attempt=adopted.attempt,
         )
         self.stopped = False  # a Stop: the provider is asked to cancel, the log says so
+        self.was_fenced = False  # another replica took it over from here
         self.continuation: Continuation | None = None
         self._attempt: Attempt | None = None
         self._stream: Any = None
@@ -195,10 +196,38 @@ class Takeover:
             if self._stream is not None:
                 report = report or self._stream.meter.report()
             self._end(outcome, error, error_type)
+            await shielded(self._settle_claims())
             if self._span is not None:
                 observer, token = self._span
                 observer.attempt_ended(token, outcome, error)
             self._record(outcome, error_type, report, appended, first_event, started_at, began)
+
+    async def _settle_claims(self) -> None:
+        """An Idempotency-Key that started the generation replays its whole stitched log
+        once it completed; one whose generation did not complete runs again."""
+        generation = self.generation
+        response = None
+        if generation.status is Status.COMPLETE and not generation.handed_over:
+            headers = [("x-generation-id", generation.id)]
+            if generation.content_type:
+                headers.insert(0, ("content-type", generation.content_type))
+            response = StoredResponse(
+                status=generation.status_code,
+                headers=headers,
+                chunks=[],
+                generation_id=generation.id,
+            )
+        elif generation.handed_over or self.was_fenced or generation.status is Status.RUNNING:
+            return  # another replica goes on with it, and settles them
+        try:
+            await self.store.settle_claims(generation.id, response)
+        except Exception as exc:
+            logger.warning(
+                "generation %s: its idempotency claims could not be settled (%s); they "
+                "expire at their lease",
+                generation.id,
+                exc,
+            )
 
     def _observe(self, continuation: Continuation, attempt: Attempt) -> None:
         observer = self.options.observer()
@@ -417,6 +446,7 @@ class Takeover:
 
     def fenced(self) -> None:
         """Another replica owns it now: stop here, writing nothing more."""
+        self.was_fenced = True
         task = self.task
         if task is not None and not task.done():
             task.cancel()

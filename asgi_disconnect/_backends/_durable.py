@@ -19,6 +19,7 @@ from .._errors import BackendUnavailable
 from .._records import Adopted, GenerationInfo, Status, UsageRecord
 from ._bound import PendingBound
 from ._pending import PendingWrites
+from ._rows import encode_response
 from ._tails import StoreTails, TailSource
 from ._window import FlushWindow, default_ceiling
 
@@ -69,6 +70,12 @@ class SQLWrites(Protocol):
     async def sweep(self, ttl: float, max_attempts: int = 1, grace: float = 0.0) -> list[str]:
         """Mark lapsed generations ``interrupted``: at once those no replica can take over,
         the others once ``grace`` seconds passed or their ``max_attempts`` ran out."""
+
+    async def settle_generation_claims(
+        self, generation_id: str, response: bytes | None, ttl: float
+    ) -> int:
+        """Complete (``response``) or release (None) the running idempotency claims of a
+        generation: the replica that took it over settles them when it ends."""
 
     async def continued_upstreams(self) -> list[str]:
         """The upstream names the running detached generations' continuations need."""
@@ -494,6 +501,13 @@ class DurableBackend:
 
     def adopted_ended(self, generation_id: str) -> None:
         self.adopted.discard(generation_id)
+
+    async def settle_claims(self, generation_id: str, response: StoredResponse | None) -> None:
+        """Settle the idempotency claims of a generation taken over here, once it ended:
+        completed (a retry with the key replays its whole log) or released (it runs again)."""
+        await self._ensure_open()
+        encoded = None if response is None else encode_response(response)
+        await self.store.settle_generation_claims(generation_id, encoded, self.ttl)
 
     def _fenced(self, generation_id: str) -> None:
         """Another process owns the generation now: nothing more of it is written from here,

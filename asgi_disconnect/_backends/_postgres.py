@@ -314,6 +314,25 @@ class PostgresStore:
     async def heartbeat(self, owner: str, lease: float) -> None:
         await self.pool.execute(self._sql["heartbeat"], owner, lease)
 
+    async def settle_generation_claims(
+        self, generation_id: str, response: bytes | None, ttl: float
+    ) -> int:
+        if response is None:
+            status = await self.pool.execute(
+                f"delete from {self._t}claims where generation_id = $1 and status = 'running'",
+                generation_id,
+            )
+        else:
+            status = await self.pool.execute(
+                f"update {self._t}claims set status = 'completed', response = $2, "
+                "lease_until = null, expires_at = now() + make_interval(secs => $3) "
+                "where generation_id = $1 and status = 'running'",
+                generation_id,
+                response,
+                ttl,
+            )
+        return int(status.split()[-1])
+
     async def continued_upstreams(self) -> list[str]:
         rows = await self.pool.fetch(
             f"select distinct upstream from {self._t}generations "
@@ -657,8 +676,14 @@ def _statements(t: str) -> dict[str, str]:
     return {
         "flush": f"select {t}flush({flush_args})",
         "heartbeat": f"""
-            update {t}generations set lease_until = now() + make_interval(secs => $2)
-            where owner = $1 and status = 'running'""",
+            with renewed as (
+                update {t}generations set lease_until = now() + make_interval(secs => $2)
+                where owner = $1 and status = 'running' returning id
+            )
+            -- The claims of the generations it runs (taken over ones too) live as long.
+            update {t}claims
+            set lease_until = greatest(lease_until, now() + make_interval(secs => $2))
+            where status = 'running' and generation_id in (select id from renewed)""",
         "sweep": f"""
             update {t}generations
             set status = 'interrupted', finished_at = now(),

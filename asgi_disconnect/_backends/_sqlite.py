@@ -373,8 +373,36 @@ class SQLiteStore:
                 "where owner = ? and status = 'running'",
                 (lease, owner),
             )
+            # The claims of the generations it runs (taken over ones too) live as long.
+            db.execute(
+                f"update asgi_disconnect_claims set lease_until = max(lease_until, {_NOW} + ?) "
+                "where status = 'running' and generation_id in (select id from "
+                "asgi_disconnect_generations where owner = ? and status = 'running')",
+                (lease, owner),
+            )
 
         await self._run(self._write, renew)
+
+    async def settle_generation_claims(
+        self, generation_id: str, response: bytes | None, ttl: float
+    ) -> int:
+        def settle(db: sqlite3.Connection) -> int:
+            if response is None:
+                cursor = db.execute(
+                    "delete from asgi_disconnect_claims "
+                    "where generation_id = ? and status = 'running'",
+                    (generation_id,),
+                )
+            else:
+                cursor = db.execute(
+                    "update asgi_disconnect_claims set status = 'completed', response = ?, "
+                    f"lease_until = null, expires_at = {_NOW} + ? "
+                    "where generation_id = ? and status = 'running'",
+                    (response, ttl, generation_id),
+                )
+            return cursor.rowcount
+
+        return await self._run(self._write, settle)
 
     async def sweep(self, ttl: float, max_attempts: int = 1, grace: float = 0.0) -> list[str]:
         def interrupt(db: sqlite3.Connection) -> list[str]:

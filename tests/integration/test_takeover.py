@@ -15,6 +15,7 @@ import contextlib
 import json
 import re
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -323,30 +324,30 @@ async def test_a_partitioned_owner_is_fenced_and_the_other_replica_finishes(
     its flush is refused (not one byte more) and it stops its upstream call."""
     port = int(re.search(r"@[^:/]+:(\d+)/", postgres_url).group(1))  # type: ignore[union-attr]
     kind = "continue_final_message"
-    with FakeProvider(tokens=TOKENS, tokens_per_second=20.0) as provider:
-        with Partition(port) as partition:
-            with (
-                replica(through(postgres_url, partition.port), provider) as (a, _),
-                replica(postgres_url, provider) as (b, _),
-            ):
-                generation_id = await start(a, kind)
+    with (
+        FakeProvider(tokens=TOKENS, tokens_per_second=20.0) as provider,
+        Partition(port) as partition,
+        replica(through(postgres_url, partition.port), provider) as (a, _),
+        replica(postgres_url, provider) as (b, _),
+    ):
+        generation_id = await start(a, kind)
 
-                async def started() -> bool:
-                    return int((await info(b, generation_id))["size"]) > 1000
+        async def started() -> bool:
+            return int((await info(b, generation_id))["size"]) > 1000
 
-                await until(started, 10)
-                partition.cut()
+        await until(started, 10)
+        partition.cut()
 
-                async def taken_over() -> bool:
-                    return int((await info(b, generation_id)).get("attempt", 1)) == 2
+        async def taken_over() -> bool:
+            return int((await info(b, generation_id)).get("attempt", 1)) == 2
 
-                await until(taken_over, LEASE + 5)
-                partition.heal()
-                whole = await read_whole(b, generation_id)
-                final = await info(b, generation_id)
-                owners_call = provider.requests[0]
-                # Fenced: the owner stopped its own upstream call before it finished.
-                assert await owners_call.await_closed(10)
+        await until(taken_over, LEASE + 5)
+        partition.heal()
+        whole = await read_whole(b, generation_id)
+        final = await info(b, generation_id)
+        owners_call = provider.requests[0]
+        # Fenced: the owner stopped its own upstream call before it finished.
+        assert await owners_call.await_closed(10)
     assert final["status"] == "complete", final
     assert owners_call.connection_closed_early
     assert owners_call.tokens_generated < TOKENS
@@ -415,6 +416,16 @@ async def test_on_sqlite_a_restarted_process_finishes_its_files_generation(
     assert text_of(kind, whole) == FULL_TEXT
     records = await usage(sqlite_url, generation_id)
     assert sorted(record.attempt for record in records) == [1, 2]
+    command = [sys.executable, "-m", "asgi_disconnect._cli", "generations", "list"]
+    listed = await asyncio.create_subprocess_exec(
+        *command, "--backend", sqlite_url, stdout=asyncio.subprocess.PIPE
+    )
+    stdout, _ = await listed.communicate()
+    assert listed.returncode == 0
+    (line,) = [line for line in stdout.decode().splitlines() if generation_id in line]
+    assert "complete" in line
+    assert "attempt 2" in line
+    assert re.search(r"owner [0-9a-f]{16}", line)  # the process that finished it
 
 
 async def test_a_refused_prefill_without_a_fallback_ends_interrupted_with_the_reason(
@@ -450,3 +461,90 @@ async def test_a_refused_prefill_without_a_fallback_ends_interrupted_with_the_re
     by_attempt = {record.attempt: record for record in records}
     assert set(by_attempt) == {1, 2}
     assert by_attempt[2].error_type == "continuation_refused"
+
+
+async def test_an_idempotency_key_replays_the_whole_stitched_answer_after_a_takeover(
+    postgres_url: str, provider: FakeProvider
+) -> None:
+    """The key's first request ran on the owner, which died; the retry neither pays again
+    while the generation is finished elsewhere, nor after: it gets the whole answer."""
+    kind = "continue_final_message"
+    key = {"idempotency-key": "report-7"}
+    with replica(postgres_url, provider) as (a, owner), replica(postgres_url, provider) as (b, _):
+        started = await request(
+            f"{a}/relay/{kind}",
+            method="POST",
+            headers={"content-type": "application/json", **HEADERS, **key},
+            body=body_of(kind),
+            disconnect_after_bytes=1,
+        )
+        generation_id = started.headers["x-generation-id"]
+
+        async def far_enough() -> bool:
+            return int((await info(b, generation_id))["size"]) > 1000
+
+        await until(far_enough, 10)
+        owner.kill()
+        owner.wait()
+
+        async def taken_over() -> bool:
+            return int((await info(b, generation_id)).get("attempt", 1)) == 2
+
+        await until(taken_over, LEASE + 5)
+        async with httpx.AsyncClient(timeout=30) as client:
+            during = await client.post(
+                f"{b}/relay/{kind}",
+                content=body_of(kind),
+                headers={"content-type": "application/json", **HEADERS, **key},
+            )
+            whole = await read_whole(b, generation_id)
+            # As a client told to retry does, until the claim is settled with the end.
+            async with asyncio.timeout(5):
+                while True:
+                    after = await client.post(
+                        f"{b}/relay/{kind}",
+                        content=body_of(kind),
+                        headers={"content-type": "application/json", **HEADERS, **key},
+                    )
+                    if after.status_code != 409:
+                        break
+                    await asyncio.sleep(0.1)
+        calls = len(provider.requests)
+    assert during.status_code == 409  # in progress elsewhere: retry later, not run again
+    assert after.status_code == 200
+    assert after.headers["x-generation-id"] == generation_id
+    assert after.content == whole
+    assert text_of(kind, after.content) == FULL_TEXT
+    assert calls == 2  # the first attempt and the continuation: nothing paid twice
+
+
+async def test_a_restart_runs_the_call_again_after_an_event_that_replaces_the_prefix(
+    postgres_url: str, provider: FakeProvider
+) -> None:
+    """OpenAI Chat Completions has no continuation: the route chose a restart."""
+    kind = "restart"
+    with replica(postgres_url, provider) as (a, owner), replica(postgres_url, provider) as (b, _):
+        generation_id = await start(a, kind)
+
+        async def far_enough() -> bool:
+            return int((await info(b, generation_id))["size"]) > 1000
+
+        await until(far_enough, 10)
+        owner.kill()
+        owner.wait()
+
+        async def taken_over() -> bool:
+            return int((await info(b, generation_id)).get("attempt", 1)) == 2
+
+        await until(taken_over, LEASE + 5)
+        whole = await read_whole(b, generation_id)
+        final = await info(b, generation_id)
+    assert final["status"] == "complete", final
+    marker = b"event: asgi_disconnect.restart\ndata: "
+    before, _, after = whole.partition(marker)
+    assert after, "no restart event"
+    notice, _, rest = after.partition(b"\n\n")
+    assert json.loads(notice) == {"replaces": len(before)}
+    assert FULL_TEXT.startswith(text_of(kind, before))  # what readers had, replaced
+    assert text_of(kind, rest) == FULL_TEXT
+    assert terminal_markers(kind, whole) == 1
