@@ -46,7 +46,7 @@ from ._errors import (
 from ._llm_stream import StreamMeter
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
     from ._contract import Closable
 
@@ -280,7 +280,9 @@ async def open_stream(
     if continuation == "responses":
         # A background response outlives its connection: cancelling means asking the
         # provider (with this request's own headers, which are not stored).
-        track(_BackgroundResponse(client, request, stream))
+        background = _BackgroundResponse(client, request, stream)
+        stream.abandoned = background.cancel_at_provider
+        track(background)
     return stream
 
 
@@ -343,8 +345,11 @@ class _BackgroundResponse:
         self.stream = stream
 
     async def aclose(self) -> None:
+        await self.stream.aclose()
+        await self.cancel_at_provider()
+
+    async def cancel_at_provider(self) -> None:
         stream = self.stream
-        await stream.aclose()
         response_id = stream.response_id
         if response_id is None or stream.meter.ending() == "complete":
             return
@@ -379,6 +384,8 @@ class UpstreamStream:
         self._whole_events = whole_events
         # An OpenAI Responses stream's id, once its first event named it (whole events only).
         self.response_id: str | None = None
+        # Called when the stream is given up for a timeout (a background response's cancel).
+        self.abandoned: Callable[[], Awaitable[None]] | None = None
         self._first_deadline = first_deadline
         self._idle_timeout = idle_timeout
         self._hide_usage = hide_usage
@@ -409,6 +416,10 @@ class UpstreamStream:
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
+                    if self.abandoned is not None:
+                        # A background response that stopped progressing (one that stays
+                        # queued, say) would still run and bill: the provider cancels it.
+                        await shielded(self.abandoned())
                     if not meter.event_count:
                         raise FirstTokenTimeout("the upstream sent no event in time") from None
                     raise IdleTimeout(

@@ -9,7 +9,7 @@ reports attempt 2; a generation whose stitched text is not the provider's whole 
 answer, or has more or less than one terminal marker, counts its missing bytes as lost::
 
     python -m benchmarks.takeover --backend postgresql://postgres@127.0.0.1/postgres \\
-        --rounds 3 --generations 16 --kind continue_final_message
+        --rounds 5 --generations 16 --kind continue_final_message
 
 With the default lease (15 s) the survivor takes a generation over between ``lease`` and
 ``lease`` + ``takeover_interval`` (1 s) after the owner's last heartbeat, which was at most
@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -130,7 +131,8 @@ async def _round(
             ]
         )
         ids = [result.headers["x-generation-id"] for result in started]
-        await asyncio.sleep(args.after)
+        # Killed at a point of the heartbeat's cycle (every lease / 3) drawn per round.
+        await asyncio.sleep(args.after + args.random.uniform(0, args.lease / 3))
         owner.send_signal(signal.SIGKILL)
         owner.wait()
         killed = time.monotonic()
@@ -165,13 +167,20 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", required=True, help="a PostgreSQL or SQLite URL")
     parser.add_argument("--kind", choices=sorted(PATHS), default="continue_final_message")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--generations", type=int, default=16)
     parser.add_argument("--lease", type=float, default=15.0)
     parser.add_argument("--tokens", type=int, default=600)
     parser.add_argument("--rate", type=float, default=20.0, help="tokens per second")
-    parser.add_argument("--after", type=float, default=3.0, help="seconds before the kill")
+    parser.add_argument(
+        "--after",
+        type=float,
+        default=2.0,
+        help="seconds before the kill, plus a draw from 0 to lease / 3",
+    )
+    parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
+    args.random = random.Random(args.seed)
     url = args.backend
     if url.startswith("postgres"):
         separator = "&" if "?" in url else "?"
