@@ -34,7 +34,8 @@ field                  written by
                        ``lag`` (no progress for ``max_lag_seconds``) or ``silent`` (its
                        TCP acknowledged nothing for ``client_timeout``)
 ``stopped_by``         DisconnectMiddleware, when something other than its client stopped
-                       the work: ``owner`` (a Stop) or ``drain`` (a drain's deadline)
+                       the work: ``owner`` (a Stop), ``drain`` (a drain's deadline) or
+                       ``handover`` (left to another replica at a deadline)
 ``delivered_bytes``    DisconnectMiddleware's client writer: what it handed to the
                        server; when the exchange ends, what the client's TCP
                        acknowledged where the kernel tells (``delivery``)
@@ -268,7 +269,9 @@ class Outcome(msgspec.Struct, frozen=True, gc=False):
     see ``RequestState.idempotency``); None without one."""
     stopped_by: str | None = None
     """What stopped the work, if not its client: ``owner`` (a Stop, ``POST .../cancel``;
-    ``ending`` is ``cancelled``) or ``drain`` (a drain's deadline; ``interrupted``)."""
+    ``ending`` is ``cancelled``), ``drain`` (a drain's deadline; ``interrupted``) or
+    ``handover`` (detached work left to another replica at a drain's or shutdown's
+    deadline; ``interrupted`` here, finished there)."""
 
 
 class Closable(Protocol):

@@ -1052,7 +1052,7 @@ class _Exchange:
         self.move(_STAGE_CANCELLING)
         generation.handed_over = True
         self.outcome.interrupt_reason = HANDED_OVER
-        self.state.stopped_by = "drain"
+        self.state.stopped_by = "handover"
         self.state.note("handed_over")
         self.mw.counters.handed_over += 1
         self._cancel(runner)

@@ -56,7 +56,8 @@ def check_format(value: object) -> str | None:
 def how_it_ended(record: UsageRecord, outcome: Outcome | None) -> str:
     """``complete``, ``cancelled`` (its client left, the policy cancelled), ``detached-…``
     (its client left, the work went on and ended so: ``detached-complete``), ``stopped``
-    (its owner's Stop), ``drained`` (a drain's deadline), ``interrupted`` (a shutdown),
+    (its owner's Stop), ``drained`` (a drain's deadline), ``handed-over`` (left at a
+    deadline to another replica, which finishes it), ``interrupted`` (a shutdown),
     ``cut`` (its client left once the work was done), else the record's ``outcome``
     (``truncated``, ``error``, ``unknown``)."""
     if outcome is not None:
@@ -65,6 +66,8 @@ def how_it_ended(record: UsageRecord, outcome: Outcome | None) -> str:
             return "stopped"
         if stopped == "drain":
             return "drained"
+        if stopped == "handover":
+            return "handed-over"
         ending = outcome.ending
         if ending is Ending.CANCELLED:
             return "cancelled"

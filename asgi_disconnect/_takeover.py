@@ -199,7 +199,8 @@ class Takeover:
             await shielded(self._settle_claims())
             if self._span is not None:
                 observer, token = self._span
-                observer.attempt_ended(token, outcome, error)
+                ended = "handed_over" if generation.handed_over else outcome
+                observer.attempt_ended(token, ended, error)
             self._record(outcome, error_type, report, appended, first_event, started_at, began)
 
     async def _settle_claims(self) -> None:

@@ -299,9 +299,17 @@ class TelemetryMiddleware:
         if error is not None and outcome != "complete":
             span.set_status(self._error, error[:200])
         span.end()
-        self.counts["asgi_disconnect.generations.taken_over"].add(
+        counts = self.counts
+        counts["asgi_disconnect.generations.taken_over"].add(
             1, ("asgi_disconnect.continuation", "asgi_disconnect.outcome"), (kind, outcome)
         )
+        # Detach started and completed stay comparable across replicas: the replica that
+        # finishes a taken-over generation counts how it ended (its route is not known here).
+        key = ("", "detach")
+        if outcome == "complete":
+            counts["asgi_disconnect.generations.detach_completed"].add(1, _POLICY_NAMES, key)
+        elif outcome == "interrupted":
+            counts["asgi_disconnect.generations.interrupted"].add(1, _POLICY_NAMES, key)
 
     async def _not_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -462,7 +470,8 @@ class TelemetryMiddleware:
             counts["asgi_disconnect.requests.cancelled"].add(1, _POLICY_NAMES, key)
         if progress.detached and status == "complete":
             counts["asgi_disconnect.generations.detach_completed"].add(1, _POLICY_NAMES, key)
-        if status == "interrupted":
+        if status == "interrupted" and progress.stopped_by != "handover":
+            # Handed over, it is finished elsewhere (counted there, see attempt_ended).
             counts["asgi_disconnect.generations.interrupted"].add(1, _POLICY_NAMES, key)
         if record is None:
             return

@@ -104,3 +104,46 @@ async def test_a_stream_a_drain_ended_is_logged_drained(caplog: pytest.LogCaptur
 def test_a_request_log_that_is_no_format_is_refused(value: Any) -> None:
     with pytest.raises(ValueError, match="request_log must be 'text', 'json' or None"):
         MeteringMiddleware(Starlette(), request_log=value)
+
+
+def test_detached_work_handed_over_to_another_replica_is_logged_so() -> None:
+    """Not ``drained`` nor ``interrupted``: another replica finishes it."""
+    from asgi_disconnect._contract import Ending, Outcome
+    from asgi_disconnect._policy import Policy
+    from asgi_disconnect._request_log import how_it_ended
+
+    record = UsageRecord(
+        generation_id="gen_" + "h" * 24,
+        principal="alice",
+        method="POST",
+        route="/report",
+        status_code=200,
+        provider=None,
+        model=None,
+        outcome="interrupted",
+        input_tokens=None,
+        output_tokens=None,
+        usage_source="none",
+        produced_bytes=10,
+        delivered_bytes=0,
+        produced_output_tokens=None,
+        delivered_output_tokens=None,
+        time_to_first_event=None,
+        duration=1.0,
+        finish_reason=None,
+        error_type=None,
+        started_at=0.0,
+    )
+    handed = Outcome(
+        ending=Ending.INTERRUPTED,
+        policy=Policy.DETACH,
+        detached=True,
+        delivered_bytes=0,
+        delivery="sent",
+        produced_bytes=10,
+        disconnect_reason="client",
+        status=200,
+        idempotency=None,
+        stopped_by="handover",
+    )
+    assert how_it_ended(record, handed) == "handed-over"
