@@ -103,3 +103,41 @@ async def test_a_streamed_or_non_json_body_cannot_be_continued(provider: FakePro
         with pytest.raises(ValueError, match="must be JSON"):
             await open_stream(client, text, upstream="v", continuation="restart")
     assert provider.requests == []
+
+
+async def test_a_cancelled_background_relay_is_cancelled_at_the_provider(
+    provider: FakeProvider,
+) -> None:
+    """Through the stack, on a cancelling route: the client leaves, the policy cancels, and
+    the provider's background response is cancelled too (closing the socket would leave it
+    running and billing)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from asgi_disconnect import MemoryBackend, install
+    from asgi_disconnect.testing import drive
+    from asgi_disconnect.testing._driver import lifespan
+
+    async with httpx.AsyncClient(base_url=provider.url) as client:
+
+        async def relay(request: Request) -> StreamingResponse:
+            call = client.build_request(
+                "POST", "/v1/responses", json=RESPONSES, headers={"x-fake-rate": "20"}
+            )
+            stream = await open_stream(client, call, upstream="openai", continuation="responses")
+            return StreamingResponse(stream, media_type="text/event-stream")
+
+        app = Starlette(routes=[Route("/relay", relay, methods=["POST"])])
+        install(app, backend=MemoryBackend())
+        async with lifespan(app):
+            result = await drive(app, method="POST", path="/relay", disconnect_after_bytes=400)
+            assert result.status == 200
+            call = provider.requests[0]
+            assert [r.path for r in provider.requests[1:]] == [
+                f"/v1/responses/{call.response_id}/cancel"
+            ]
+            state = await client.get(f"/v1/responses/{call.response_id}")
+    assert state.json()["status"] == "cancelled"
+    assert provider.output_tokens(call.response_id) < 40
