@@ -21,7 +21,7 @@ from ._continuation import Attempt, Continuation, decode, plan
 from ._errors import UpstreamStatusError, UpstreamStreamError, UpstreamUnreachable
 from ._frames import HANDED_OVER, STOPPED, TAKEN_OVER, error_frame
 from ._llm_stream import StreamMeter
-from ._log import Generation
+from ._log import HOLD_CHECK, Generation
 from ._records import Status, StoredResponse, UsageRecord
 from .upstream import open_stream
 
@@ -165,7 +165,7 @@ class Takeover:
                         generation.append(data)
                         appended += len(data)
                         hold = generation.hold
-                        if hold is not None and generation.size - generation.base > (1 << 21):
+                        if hold is not None and generation.size - generation.base > HOLD_CHECK:
                             await hold.room()
                 rest = stitcher.end()
                 if rest:
@@ -182,8 +182,10 @@ class Takeover:
                 await shielded(self._cancel_at_provider())
             elif self.generation.handed_over:
                 error = HANDED_OVER
-            else:
+            elif self.was_fenced:
                 error = TAKEN_OVER
+            else:
+                error = "cancelled at this replica's shutdown"
             raise
         except UpstreamStatusError as exc:
             error = f"the provider refused the continuation: {exc.status_code} {exc.error}"
@@ -191,6 +193,11 @@ class Takeover:
         except (UpstreamStreamError, UpstreamUnreachable) as exc:
             error = f"the continuation failed: {exc}"
             error_type = getattr(exc, "error_type", "stream_error")
+            outcome = "error"
+        except Exception as exc:  # the store, a continuation that ended mid-event
+            logger.error("generation %s: its takeover failed", generation.id, exc_info=exc)
+            error = f"the continuation failed: {exc!r}"[:500]
+            error_type = "stream_error"
             outcome = "error"
         finally:
             if self._stream is not None:

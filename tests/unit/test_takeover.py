@@ -231,3 +231,37 @@ async def test_each_attempt_has_a_span_linked_to_the_first_and_is_counted(
     ]
     tracer_provider.shutdown()
     meter_provider.shutdown()
+
+
+async def test_a_continuation_the_provider_breaks_off_ends_failed_with_an_error_frame(
+    sqlite_url: str,
+) -> None:
+    """Never a silent truncation: the stitched log ends with the package's error frame."""
+    async with FakeProvider(tokens=TOKENS, tokens_per_second=0, fault="reset-after=5") as bad:
+        body = {
+            "model": "fake-model",
+            "stream": True,
+            "messages": [{"role": "user", "content": "x"}],
+        }
+        stored = (
+            b'data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"role":"assistant",'
+            b'"content":"tok0 "},"finish_reason":null}]}\n\n'
+        )
+        await dead_owner(
+            sqlite_url, "continue_final_message", bad.url + "/v1/chat/completions", stored, body
+        )
+        records: list[UsageRecord] = []
+        async with httpx.AsyncClient() as client:
+            app = taker(sqlite_url, client, records)
+            async with lifespan(app):
+                status = await ended(app)
+                info = await app.backend.get(GID)
+                assert info is not None
+                log = b"".join([chunk async for chunk in app.backend.follow(GID, 0)])
+    assert status is Status.FAILED
+    assert log.startswith(stored)
+    assert log.endswith(b"\n\n")
+    assert b"event: error\ndata: " in log[len(stored) :]
+    assert b"data: [DONE]" not in log
+    (record,) = [record for record in records if record.attempt == 2]
+    assert record.outcome == "error"
