@@ -461,10 +461,21 @@ def figures(
     table = collections.Counter(stored["rows"].values())
     matches = {"equal": 0, "record_more": 0, "record_less": 0, "none_in_record": 0}
     differences = []
+    byte_match = {"equal": 0, "differ": 0}
+    byte_differences = []
     for gid, records in stored["usage"].items():
         if len(records) != 1:
             continue
         d, a = seen[gid]
+        byte_match["equal" if records[0].delivered_bytes == a.bytes else "differ"] += 1
+        if records[0].delivered_bytes != a.bytes:
+            byte_differences.append(
+                {"generation": gid, "client": d.client, "kind": d.kind, "route": d.route,
+                 "record_delivered_bytes": records[0].delivered_bytes,
+                 "record_produced_bytes": records[0].produced_bytes, "received_bytes": a.bytes,
+                 "complete_at_client": a.complete, "cut_at_deadline": a.cut_at_deadline,
+                 "outcome": records[0].outcome, "delivery": records[0].delivery}
+            )  # fmt: skip
         got = records[0].delivered_output_tokens
         if got is None:
             matches["none_in_record"] += 1
@@ -517,10 +528,12 @@ def figures(
             1 for info in stored["infos"] if info.id not in stored["rows"]
         ),
         "upstream_calls": len(provider.requests),
+        "delivered_bytes_record_vs_received": byte_match,
         "delivered_record_vs_receipt": matches,
         "output_record_vs_provider": billed_vs_record,
         "usage_sources": dict(sources),
         "differences": differences[:20],
+        "byte_differences": byte_differences[:20],
     }
 
     # Detach: the store's generations, and the provider's calls whose client left.
@@ -601,6 +614,8 @@ def summary(args: argparse.Namespace, rates: list[int | None], fig: dict[str, An
         f"  usage table, per generation ({u['generations_in_store']} in the store): "
         f"{u['records_per_generation_in_usage_table']}; without a record: "
         f"{u['stored_generations_without_record']}",
+        f"  record's delivered bytes against the bytes received: "
+        f"{u['delivered_bytes_record_vs_received']}",
         f"  record's delivered tokens against the receipt: {u['delivered_record_vs_receipt']}",
         f"  record's output tokens against the provider's call: {u['output_record_vs_provider']}"
         f" (usage_source {u['usage_sources']})",
