@@ -653,7 +653,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="postgresql://postgres@127.0.0.1:5432/postgres",
         help="the database; the soak makes a schema of its own there and drops it after",
     )
-    parser.add_argument("--log", default="soak-clients.jsonl", help="one JSON line per draw")
+    parser.add_argument(
+        "--log",
+        default=os.path.join(tempfile.gettempdir(), "soak-clients.jsonl"),
+        help="one JSON line per draw (default: in the temporary directory)",
+    )
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args(argv)
     args.replicas = 2 if args.backend == "postgres" else 1
