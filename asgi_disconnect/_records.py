@@ -53,7 +53,8 @@ class Adopted(msgspec.Struct, frozen=True, kw_only=True):
     """A detached generation this process took over from an owner whose lease lapsed (or
     who handed it over): the store's row as it was when the database chose this process.
 
-    ``attempt`` is the fencing token: every later write of an earlier owner is refused.
+    The row's owner is now this process's token, the fence every later write of an earlier
+    owner is refused by; ``attempt`` counts the owners (the upstream calls) it had.
     ``size`` bytes are stored; the continuation appends from there."""
 
     id: str

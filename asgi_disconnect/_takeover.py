@@ -1,7 +1,8 @@
 """A detached generation taken over from a replica that died or drained: an exchange with
 no client, run by this process's supervisor until the generation ends.
 
-The store chose this process (``Adopted``, its attempt the fencing token). The generation's
+The store chose this process (``Adopted``; the row's owner, this process's token, fences out
+every earlier owner). The generation's
 stored bytes say where the answer stands; ``_continuation.plan`` says which upstream call
 produces the rest and stitches it onto them, so readers see one stream with one terminal
 marker. The call is signed by this replica's own client registered under the upstream's name;

@@ -272,7 +272,7 @@ class SQLiteStore:
                     "alter table asgi_disconnect_generations "
                     "add column cancel_requested integer not null default 0"
                 )
-            # Takeover (a file made before it): the attempt is the fencing token.
+            # Takeover (a file made before it): the attempt counts the owners it had.
             for column, kind in _TAKEOVER_COLUMNS:
                 if column not in columns:
                     db.execute(
