@@ -147,7 +147,7 @@ async def test_a_taken_over_generation_can_be_stopped_and_is_recorded_cancelled(
                 async with asyncio.timeout(10):
                     while GID not in app._takeovers:
                         await asyncio.sleep(0.02)
-                (call,) = slow.wait_for_requests(1)
+                (call,) = await slow.await_requests(1)
                 assert await app.backend.request_cancel(GID)
                 status = await ended(app)
                 assert await call.await_closed(5)
