@@ -228,6 +228,7 @@ _PRUNE_AT = 256
 
 # The peer sent its FIN (or both ends are closing): no more acknowledgements will come.
 _PEER_CLOSED = frozenset({7, 8, 9, 11})  # close, close-wait, last-ack, closing
+_WATCHABLE = _PEER_CLOSED | {1}  # and established
 
 
 class ConnectionWatch:
@@ -278,7 +279,7 @@ class ConnectionWatch:
         self._wire = 0  # their bytes on the wire
         self._other = 0  # bytes on the wire in sizes that are not body (keep-alives)
         self.dead = False
-        self.final = False
+        self.final = sample.state in _PEER_CLOSED
         self.on_dead: Callable[[], None] | None = on_dead
         self.on_settled: Callable[[], None] | None = None
 
@@ -427,7 +428,9 @@ class TransportMonitor:
             sample = diag.query(request)
         except (OSError, ValueError, TypeError, OverflowError, struct.error):
             sample = None
-        if sample is None or sample.bytes_acked < 0 or sample.state != 1:
+        # A peer that closed already (it read the head and left) is watched too: what it
+        # acknowledges from now is none of the body, not what the server's send took.
+        if sample is None or sample.bytes_acked < 0 or sample.state not in _WATCHABLE:
             if not self.watches:
                 self._close()
             return None

@@ -23,7 +23,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from asgi_disconnect import DisconnectMiddleware, MemoryBackend, UsageRecord, install
+from asgi_disconnect import (
+    DisconnectMiddleware,
+    MemoryBackend,
+    UsageRecord,
+    disconnect_policy,
+    install,
+)
 from asgi_disconnect._transport import (
     ConnectionWatch,
     SockDiag,
@@ -282,6 +288,56 @@ async def test_a_client_gone_mid_stream_is_settled_at_once_by_what_it_acknowledg
     assert record.outcome == "cancelled"
     assert record.delivery == "acked"
     assert got <= record.delivered_bytes <= record.produced_bytes
+
+
+async def _late_events() -> AsyncIterator[bytes]:
+    # The head is out, the client reads it and closes, and the first event follows before
+    # the server's loop reads the client's FIN (here: the loop is held while it arrives).
+    time.sleep(0.5)  # noqa: ASYNC251
+    yield b'data: {"n": 0}\n\n'
+    await asyncio.sleep(0.5)
+    yield b"data: [DONE]\n\n"
+
+
+@linux
+async def test_a_client_gone_before_the_first_byte_of_body_is_delivered_nothing() -> None:
+    """A client that reads the response's head and closes (FIN) before the first token of a
+    detaching route: its connection is half-closed (CLOSE_WAIT) when the body starts, and the
+    record says it got none of the body, as acknowledged, not the bytes the server's send
+    took."""
+    records: list[UsageRecord] = []
+
+    @disconnect_policy("detach")
+    async def late(request: Request) -> StreamingResponse:
+        return StreamingResponse(_late_events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/late", late)])
+    install(app, backend=MemoryBackend(), sinks=[records.append])
+    with run_server(app, server="uvicorn") as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        loop = asyncio.get_running_loop()
+        with socket.socket() as sock:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, (host, int(port)))
+            request = f"GET /late HTTP/1.1\r\nhost: {host}\r\n\r\n"
+            await loop.sock_sendall(sock, request.encode())
+            head = b""
+            while b"\r\n\r\n" not in head:
+                data = await loop.sock_recv(sock, 65536)
+                assert data, head
+                head += data
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert head.endswith(b"\r\n\r\n"), "no body yet"
+            sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + 5
+        while not records:
+            assert time.monotonic() < deadline, "no record"
+            await asyncio.sleep(0.01)
+    (record,) = records
+    assert record.outcome == "complete"
+    assert record.produced_bytes > 0, record
+    assert record.delivery == "acked", (record.delivered_bytes, record.produced_bytes)
+    assert record.delivered_bytes == 0
 
 
 @linux
