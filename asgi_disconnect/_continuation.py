@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import msgspec
 
@@ -43,6 +43,7 @@ __all__ = [
     "encode",
     "plan",
     "recorded",
+    "response_url",
 ]
 
 KINDS = ("responses", "continue_final_message", "prefill", "restart")
@@ -240,12 +241,21 @@ def _responses_cursor(stored: bytes) -> tuple[str, int] | None:
     return None if response_id is None else (response_id, last)
 
 
+def response_url(create_url: str, response_id: str, suffix: str = "", **query: Any) -> str:
+    """The URL of one response, from the URL that created it: ``{path}/{id}{suffix}``, its
+    query kept (Azure's ``api-version``) and ``query`` added."""
+    parts = urlsplit(create_url)
+    path = f"{parts.path.rstrip('/')}/{response_id}{suffix}"
+    extra = urlencode(query)
+    merged = "&".join(q for q in (parts.query, extra) if q)
+    return urlunsplit((parts.scheme, parts.netloc, path, merged, ""))
+
+
 def _reattach(continuation: Continuation, stored: bytes) -> Attempt:
     cursor = _responses_cursor(stored)
     assert cursor is not None
     response_id, last = cursor
-    query = urlencode({"stream": "true", "starting_after": last})
-    url = f"{continuation.url.rstrip('/')}/{response_id}?{query}"
+    url = response_url(continuation.url, response_id, stream="true", starting_after=last)
     return Attempt(
         kind="responses",
         method="GET",

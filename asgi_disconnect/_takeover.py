@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ._aio import shielded
-from ._continuation import Attempt, Continuation, decode, plan
+from ._continuation import Attempt, Continuation, decode, plan, response_url
 from ._errors import UpstreamStatusError, UpstreamStreamError, UpstreamUnreachable
 from ._frames import HANDED_OVER, STOPPED, TAKEN_OVER, error_frame
 from ._llm_stream import StreamMeter
@@ -440,7 +440,7 @@ class Takeover:
         response_id = response_id or attempt.url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
         if client is None or not response_id:
             return
-        url = f"{continuation.url.rstrip('/')}/{response_id}/cancel"
+        url = response_url(continuation.url, response_id, "/cancel")
         try:
             response = await client.post(url, headers=list(continuation.headers))
         except Exception as exc:

@@ -349,12 +349,14 @@ class _BackgroundResponse:
         await self.cancel_at_provider()
 
     async def cancel_at_provider(self) -> None:
+        from ._continuation import response_url
+
         stream = self.stream
         response_id = stream.response_id
         if response_id is None or stream.meter.ending() == "complete":
             return
         headers = [(k, v) for k, v in self.request.headers.items() if k.lower() != "content-length"]
-        url = f"{str(self.request.url).rstrip('/')}/{response_id}/cancel"
+        url = response_url(str(self.request.url), response_id, "/cancel")
         cancel = self.http.build_request("POST", url, headers=headers, content=b"")
         response = await self.http.send(cancel)
         if response.status_code >= 300:

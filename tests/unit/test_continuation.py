@@ -18,6 +18,7 @@ from asgi_disconnect._continuation import (
     encode,
     plan,
     recorded,
+    response_url,
 )
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -170,6 +171,25 @@ def test_responses_reattach_gives_back_the_uninterrupted_bytes(
     again = frames(stored)[-1] if fraction > 0.5 else b""
     assert stored + stitched(attempt, again + rest, split) == whole
     assert attempt.stitcher.progressed
+
+
+def test_a_response_url_keeps_the_creating_urls_query() -> None:
+    """Azure's OpenAI endpoints need their ``api-version`` on every call: the re-attach and
+    the cancel go to the response's path with the query kept."""
+    created = "https://r.openai.azure.com/openai/v1/responses/?api-version=preview"
+    assert response_url(created, "resp_1", "/cancel") == (
+        "https://r.openai.azure.com/openai/v1/responses/resp_1/cancel?api-version=preview"
+    )
+    assert response_url("http://x/v1/responses", "resp_1", stream="true", starting_after=7) == (
+        "http://x/v1/responses/resp_1?stream=true&starting_after=7"
+    )
+    whole = numbered(vector("openai_responses_text.sse"))
+    stored, _ = cut(whole, 0.5)
+    continuation = recorded("responses", upstream="azure", method="POST", url=created, body=b"{}")
+    attempt = plan(continuation, stored)
+    assert attempt is not None
+    assert attempt.url.startswith("https://r.openai.azure.com/openai/v1/responses/resp_")
+    assert "?api-version=preview&stream=true&starting_after=" in attempt.url
 
 
 def test_responses_without_a_stored_id_use_the_fallback() -> None:

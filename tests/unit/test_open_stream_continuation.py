@@ -105,12 +105,13 @@ async def test_a_streamed_or_non_json_body_cannot_be_continued(provider: FakePro
     assert provider.requests == []
 
 
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/responses?api-version=2025-04-01"])
 async def test_a_cancelled_background_relay_is_cancelled_at_the_provider(
-    provider: FakeProvider,
+    provider: FakeProvider, path: str
 ) -> None:
     """Through the stack, on a cancelling route: the client leaves, the policy cancels, and
     the provider's background response is cancelled too (closing the socket would leave it
-    running and billing)."""
+    running and billing); a query on the URL (Azure's ``api-version``) stays a query."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import StreamingResponse
@@ -123,9 +124,7 @@ async def test_a_cancelled_background_relay_is_cancelled_at_the_provider(
     async with httpx.AsyncClient(base_url=provider.url) as client:
 
         async def relay(request: Request) -> StreamingResponse:
-            call = client.build_request(
-                "POST", "/v1/responses", json=RESPONSES, headers={"x-fake-rate": "20"}
-            )
+            call = client.build_request("POST", path, json=RESPONSES, headers={"x-fake-rate": "20"})
             stream = await open_stream(client, call, upstream="openai", continuation="responses")
             return StreamingResponse(stream, media_type="text/event-stream")
 
