@@ -470,6 +470,13 @@ class RequestState:
         # (upstream name, encoded continuation): set by ``open_stream(continuation=...)``.
         self.continuation: tuple[str, bytes] | None = None
 
+    def continue_with(self, continuation: tuple[str, bytes]) -> None:
+        """Record how another replica would continue this request's generation: kept here
+        until the generation opens, written to it when it is open already."""
+        self.continuation = continuation
+        if self.generation is not None:
+            self.generation.continuation = continuation
+
     @property
     def generation_id(self) -> str:
         """The request's generation id, given once: its identity, with ``principal``."""

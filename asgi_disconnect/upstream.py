@@ -255,9 +255,7 @@ async def open_stream(
         _describe(request)
     state = current_state.get()
     if recorded is not None and state is not None and 200 <= response.status_code < 300:
-        state.continuation = recorded[0]
-        if state.generation is not None:
-            state.generation.continuation = recorded[0]
+        state.continue_with(recorded[0])
     if not 200 <= response.status_code < 300:
         try:
             async with asyncio.timeout_at(first_deadline):
