@@ -380,10 +380,13 @@ class DisconnectMiddleware:
         # and without a lifespan, as tests do): their work ends with them.
         self.supervisor.admit()
 
-    def _stop_admitting(self) -> None:
-        self.supervisor.stop_admitting()
+    def _stop_taking_over(self) -> None:
         if isinstance(self.backend, TakeoverStore):
             self.backend.taking_over = False  # a process that drains takes nothing over
+
+    def _stop_admitting(self) -> None:
+        self.supervisor.stop_admitting()
+        self._stop_taking_over()
         if self.transport is not None:
             self.transport.settle_all()
 
@@ -407,6 +410,8 @@ class DisconnectMiddleware:
         what is left as interrupted, a stream its client still reads with an error frame
         that says to retry after ``retry_after`` seconds."""
         loop = asyncio.get_running_loop()
+        # Also past the deadline, until the process exits: what it hands over stays handed.
+        self._stop_taking_over()
         await self._until_quiet(deadline)
         handed = self.hand_over()
         if handed:

@@ -37,6 +37,23 @@ __all__ = ["Takeover", "TakeoverOptions"]
 
 logger = logging.getLogger("asgi_disconnect")
 
+# How a taken-over generation that did not complete ends, by the attempt's outcome.
+_STATUS_OF = {
+    "cancelled": Status.CANCELLED,
+    "error": Status.FAILED,
+    "interrupted": Status.INTERRUPTED,
+}
+# A record's fields that come from the attempt's metered report (None: unknown).
+_REPORTED = (
+    "model",
+    "input_tokens",
+    "output_tokens",
+    "produced_output_tokens",
+    "finish_reason",
+    "cache_read_tokens",
+    "reasoning_tokens",
+)
+
 
 class TakeoverOptions:
     """What every takeover of one middleware shares: the upstream clients by name, where
@@ -269,14 +286,13 @@ class Takeover:
         if outcome == "complete":
             generation.finish(Status.COMPLETE)
         elif generation.running:
-            status = Status.CANCELLED if outcome == "cancelled" else Status.INTERRUPTED
-            if outcome == "error":
-                status = Status.FAILED
+            # A plain "interrupted" (handed over, its replica stopping) is left without a frame:
+            # the next owner continues the log.
             if outcome != "interrupted" or error_type is not None:
                 generation.append_frame(
                     error_frame(generation.id, error_type or "stopped", error or outcome)
                 )
-            generation.finish(status, error)
+            generation.finish(_STATUS_OF[outcome], error)
         if outcome != "complete" and not generation.handed_over:
             self.counters.left_interrupted += outcome == "interrupted"
             logger.warning(
@@ -306,35 +322,50 @@ class Takeover:
             note = (
                 f"a {attempt.kind} continuation (attempt {self.generation.attempt}): not byte-exact"
             )
-        record = UsageRecord(
+        self._emit(
+            self._usage(
+                continuation,
+                report,
+                outcome=outcome,
+                produced_bytes=appended,
+                time_to_first_event=first_event,
+                duration=time.monotonic() - began,
+                error_type=error_type,
+                started_at=started_at,
+                usage_note=note,
+                attempt=self.generation.attempt,
+            )
+        )
+
+    def _usage(self, continuation: Continuation | None, report: Any, **fields: Any) -> UsageRecord:
+        """A record of one attempt: nobody read it live (delivered nothing), the route's
+        policy detached it, its counts from ``report`` (None: unknown)."""
+        counts: dict[str, Any] = dict.fromkeys(_REPORTED)
+        counts["usage_source"] = "none"
+        if report is not None:
+            counts = {
+                "model": report.model,
+                "input_tokens": report.input_tokens,
+                "output_tokens": report.output_tokens,
+                "produced_output_tokens": report.output_tokens,
+                "usage_source": report.usage_source,
+                "finish_reason": report.finish_reason,
+                "cache_read_tokens": report.cache_read_tokens,
+                "reasoning_tokens": report.reasoning_tokens,
+            }
+        return UsageRecord(
             generation_id=self.generation.id,
             principal=self.adopted.principal,
             method=continuation.method if continuation is not None else "POST",
             route=continuation.url if continuation is not None else "",
             status_code=self.adopted.status_code,
             provider=continuation.upstream if continuation is not None else None,
-            model=report.model if report is not None else None,
-            outcome=outcome,
-            input_tokens=report.input_tokens if report is not None else None,
-            output_tokens=report.output_tokens if report is not None else None,
-            usage_source=report.usage_source if report is not None else "none",
-            produced_bytes=appended,
             delivered_bytes=0,
-            produced_output_tokens=report.output_tokens if report is not None else None,
             delivered_output_tokens=None,
-            time_to_first_event=first_event,
-            duration=time.monotonic() - began,
-            finish_reason=report.finish_reason if report is not None else None,
-            error_type=error_type,
-            started_at=started_at,
-            cache_read_tokens=report.cache_read_tokens if report is not None else None,
-            reasoning_tokens=report.reasoning_tokens if report is not None else None,
             policy="detach",
             detached=True,
-            usage_note=note,
-            attempt=self.generation.attempt,
+            **{**counts, **fields},
         )
-        self._emit(record)
 
     async def _record_lost_attempt(self, continuation: Continuation, stored: bytes) -> None:
         """The attempt before this one died with its process before its record was written:
@@ -361,29 +392,20 @@ class Takeover:
         # Metering's default estimate: about four characters per token.
         output = 0 if background else round(len(report.text) / 4)
         self._emit(
-            UsageRecord(
-                generation_id=self.generation.id,
-                principal=self.adopted.principal,
-                method=continuation.method,
-                route=continuation.url,
-                status_code=self.adopted.status_code,
-                provider=continuation.upstream,
+            self._usage(
+                continuation,
+                None,
                 model=report.model,
                 outcome="interrupted",
                 input_tokens=0 if background else None,
                 output_tokens=output,
                 usage_source="estimated",
                 produced_bytes=len(stored),
-                delivered_bytes=0,
                 produced_output_tokens=output,
-                delivered_output_tokens=None,
                 time_to_first_event=None,
                 duration=0.0,
-                finish_reason=None,
                 error_type="owner_lost",
                 started_at=self.adopted.created_at,
-                policy="detach",
-                detached=True,
                 usage_note=(
                     "written by the replica that took the generation over: its own process "
                     "died first; "

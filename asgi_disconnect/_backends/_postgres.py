@@ -706,6 +706,8 @@ def _statements(t: str) -> dict[str, str]:
                 select id from {t}generations
                 where status = 'running' and detached and continuation is not null
                   and upstream = any($4::text[]) and lease_until < now() and attempt < $5
+                  -- its own: a heartbeat that came late, not a process that died
+                  and owner is distinct from $1
                 order by lease_until limit $3
                 for update skip locked
             ) as lapsed

@@ -446,10 +446,11 @@ class SQLiteStore:
                 "where id in (select id from asgi_disconnect_generations "
                 "where status = 'running' and detached and continuation is not null "
                 f"and upstream in ({marks}) and lease_until < {_NOW} and attempt < ? "
+                "and owner is not ? "  # its own: a late heartbeat, not a dead process
                 "order by lease_until limit ?) "
                 "returning id, principal, attempt, size, status_code, content_type, policy, "
                 "created_at, continuation",
-                (owner, lease, *upstreams, max_attempts, limit),
+                (owner, lease, *upstreams, max_attempts, owner, limit),
             ).fetchall()
             return [adopted_from_row(row) for row in rows]
 

@@ -157,6 +157,32 @@ async def test_a_taken_over_generation_can_be_stopped_and_is_recorded_cancelled(
     assert record.outcome == "cancelled"
 
 
+async def test_a_replica_that_drained_takes_nothing_over_while_it_shuts_down(
+    sqlite_url: str, provider: FakeProvider
+) -> None:
+    """Past its drain's deadline a replica's lifespan still runs (the server's shutdown has yet
+    to begin): its scan must not take back the work it just handed over, nor anyone's."""
+    body = {"model": "fake-model", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    records: list[UsageRecord] = []
+    async with httpx.AsyncClient() as client:
+        app = taker(sqlite_url, client, records)
+        async with lifespan(app):
+            assert app.lifecycle is not None
+            await app.lifecycle.drain(asyncio.get_running_loop().time(), 1)
+            await dead_owner(
+                sqlite_url,
+                "continue_final_message",
+                provider.url + "/v1/chat/completions",
+                b'data: {"choices":[{"index":0,"delta":{"content":"tok0 "}}]}\n\n',
+                body,
+            )
+            await asyncio.sleep(1.0)  # the lease lapses, and the scan runs every 0.05 s
+            info = await app.backend.get(GID)
+            assert info is not None
+            assert (info.status, info.attempt) == (Status.RUNNING, 1)
+    assert provider.requests == []
+
+
 async def test_each_attempt_has_a_span_linked_to_the_first_and_is_counted(
     sqlite_url: str, provider: FakeProvider
 ) -> None:

@@ -84,6 +84,28 @@ async def test_exactly_one_replica_takes_over_a_lapsed_generation(url: str) -> N
             await backend.aclose()
 
 
+async def test_a_replica_never_takes_over_its_own_generation_after_a_late_heartbeat(
+    url: str,
+) -> None:
+    """A process whose heartbeat came late (a busy loop, a slow database) still runs its
+    generation: its own scan leaves it alone; another replica's scan takes it."""
+    owner, other = durable(url), durable(url)
+    await owner.open()
+    await other.open()
+    try:
+        generation = detached()
+        owner.register(generation)
+        generation.append(b"data: one\n\n")
+        await settle(owner)
+        await lapse(owner)
+        assert await owner.store.take_over(owner.owner, 5.0, 10, ["openai"], 3) == []
+        (adopted,) = await other.store.take_over(other.owner, 5.0, 10, ["openai"], 3)
+        assert adopted.attempt == 2
+    finally:
+        await owner.aclose()
+        await other.aclose()
+
+
 async def test_only_a_replica_with_the_upstream_registered_takes_it_over(url: str) -> None:
     owner, other = durable(url), durable(url)
     await owner.open()
