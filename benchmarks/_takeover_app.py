@@ -1,11 +1,15 @@
-"""A gateway replica for ``benchmarks.takeover``, served by uvicorn in a process of its own.
+"""A gateway replica for ``benchmarks.takeover`` and tests/integration/test_takeover.py,
+served by uvicorn in a process of its own.
 
 ``POST /relay/{kind}`` relays the request body to the FakeProvider at
 ``ASGI_DISCONNECT_PROVIDER`` (the API path by kind) through ``open_stream`` with that
 continuation kind, on a detaching route, with the whole stack (``install()``: metering,
 idempotency, drain). Every replica registers its own client for the upstream ``"fake"``.
 ``ASGI_DISCONNECT_FALLBACK`` is the prefill fallback; ``ASGI_DISCONNECT_DRAIN`` (seconds)
-is the shutdown deadline.
+is the shutdown deadline; ``ASGI_DISCONNECT_LEASE`` the lease (default 15 s), and
+``ASGI_DISCONNECT_FAST=1`` shortens the store's intervals as the tests need. Every caller
+is one principal (``ASGI_DISCONNECT_PRINCIPAL``), so a reader reads back what any
+request started.
 """
 
 from __future__ import annotations
@@ -59,17 +63,25 @@ async def relay(request: Request) -> Response:
     return StreamingResponse(stream, media_type="text/event-stream")
 
 
-# The defaults but the lease, which the benchmark may shorten.
+FAST = {
+    "flush_interval": 0.02,
+    "sweep_interval": 0.2,
+    "takeover_interval": 0.2,
+    "poll_interval": 0.05,
+}
+# The defaults but the lease, which the benchmark may shorten, and the tests' intervals.
 backend = connect(
     os.environ["ASGI_DISCONNECT_URL"],
     lease=float(os.environ.get("ASGI_DISCONNECT_LEASE", "15.0")),
+    **(FAST if os.environ.get("ASGI_DISCONNECT_FAST") == "1" else {}),  # type: ignore[arg-type]
 )
+PRINCIPAL = os.environ.get("ASGI_DISCONNECT_PRINCIPAL", "bench")
 
 app = Starlette(routes=[Route("/relay/{kind}", relay, methods=["POST"])])
 install(
     app,
     backend=backend,
-    principal=lambda scope: "bench",  # the benchmark reads back as its caller
+    principal=lambda scope: PRINCIPAL,
     upstreams={"fake": client},
     idempotency=True,
     drain={"deadline": DRAIN},

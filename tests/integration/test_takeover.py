@@ -26,6 +26,7 @@ import pytest
 
 from asgi_disconnect import connect
 from asgi_disconnect.testing import FakeProvider, request
+from tests.apps import TESTER
 from tests.integration.processes import serve
 
 pytestmark = [pytest.mark.anyio, pytest.mark.server]
@@ -41,11 +42,13 @@ def replica(
     url: str, provider: FakeProvider, **env: str
 ) -> contextlib.AbstractContextManager[tuple[str, subprocess.Popen[bytes]]]:
     return serve(
-        "tests.integration.takeover_app:app",
+        "benchmarks._takeover_app:app",
         {
             "ASGI_DISCONNECT_URL": url,
             "ASGI_DISCONNECT_PROVIDER": provider.url,
             "ASGI_DISCONNECT_LEASE": str(LEASE),
+            "ASGI_DISCONNECT_FAST": "1",
+            "ASGI_DISCONNECT_PRINCIPAL": TESTER,
             **env,
         },
     )
@@ -164,6 +167,24 @@ async def until(predicate: Any, timeout: float, interval: float = 0.05) -> None:
             await asyncio.sleep(interval)
 
 
+async def until_stored(base: str, generation_id: str, size: float) -> None:
+    """Until the store holds at least ``size`` bytes of the generation (read at ``base``)."""
+
+    async def stored() -> bool:
+        return int((await info(base, generation_id))["size"]) >= size
+
+    await until(stored, 10)
+
+
+async def until_taken_over(base: str, generation_id: str) -> None:
+    """Until another replica owns the generation as its second attempt."""
+
+    async def taken_over() -> bool:
+        return int((await info(base, generation_id)).get("attempt", 1)) == 2
+
+    await until(taken_over, LEASE + 5)
+
+
 async def uninterrupted(base: str, kind: str) -> bytes:
     generation_id = await start(base, kind)
     whole = await read_whole(base, generation_id)
@@ -198,19 +219,13 @@ async def test_a_killed_owners_generation_is_finished_by_the_other_replica(
         reference = await uninterrupted(b, kind)
         generation_id = await start(a, kind)
 
-        async def far_enough() -> bool:
-            return int((await info(b, generation_id))["size"]) >= at * len(reference)
-
-        await until(far_enough, 10)
+        await until_stored(b, generation_id, at * len(reference))
         owner.kill()
         owner.wait()
         killed_at = time.monotonic()
         kept = int((await info(b, generation_id))["size"])
 
-        async def taken_over() -> bool:
-            return int((await info(b, generation_id)).get("attempt", 1)) == 2
-
-        await until(taken_over, LEASE + 5)
+        await until_taken_over(b, generation_id)
         delay = time.monotonic() - killed_at
         whole = await read_whole(b, generation_id)
         final = await info(b, generation_id)
@@ -332,16 +347,10 @@ async def test_a_partitioned_owner_is_fenced_and_the_other_replica_finishes(
     ):
         generation_id = await start(a, kind)
 
-        async def started() -> bool:
-            return int((await info(b, generation_id))["size"]) > 1000
-
-        await until(started, 10)
+        await until_stored(b, generation_id, 1001)
         partition.cut()
 
-        async def taken_over() -> bool:
-            return int((await info(b, generation_id)).get("attempt", 1)) == 2
-
-        await until(taken_over, LEASE + 5)
+        await until_taken_over(b, generation_id)
         partition.heal()
         whole = await read_whole(b, generation_id)
         final = await info(b, generation_id)
@@ -369,10 +378,7 @@ async def test_a_drain_hands_a_detached_report_over_instead_of_interrupting_it(
         ):
             generation_id = await start(a, kind)
 
-            async def started() -> bool:
-                return int((await info(b, generation_id))["size"]) > 500
-
-            await until(started, 10)
+            await until_stored(b, generation_id, 501)
             stopping_at = time.monotonic()
             owner.terminate()
             owner.wait(30)
@@ -397,18 +403,11 @@ async def test_on_sqlite_a_restarted_process_finishes_its_files_generation(
     with replica(sqlite_url, provider) as (a, owner):
         generation_id = await start(a, kind)
 
-        async def started() -> bool:
-            return int((await info(a, generation_id))["size"]) > 1000
-
-        await until(started, 10)
+        await until_stored(a, generation_id, 1001)
         owner.kill()
         owner.wait()
     with replica(sqlite_url, provider) as (again, _):
-
-        async def taken_over() -> bool:
-            return int((await info(again, generation_id)).get("attempt", 1)) == 2
-
-        await until(taken_over, LEASE + 5)
+        await until_taken_over(again, generation_id)
         whole = await read_whole(again, generation_id)
         final = await info(again, generation_id)
     assert final["status"] == "complete", final
@@ -441,10 +440,7 @@ async def test_a_refused_prefill_without_a_fallback_ends_interrupted_with_the_re
         ):
             generation_id = await start(a, kind)
 
-            async def started() -> bool:
-                return int((await info(b, generation_id))["size"]) > 500
-
-            await until(started, 10)
+            await until_stored(b, generation_id, 501)
             provider.prefill_refused_models = {"fake-model"}
             owner.kill()
             owner.wait()
@@ -479,18 +475,10 @@ async def test_an_idempotency_key_replays_the_whole_stitched_answer_after_a_take
             disconnect_after_bytes=1,
         )
         generation_id = started.headers["x-generation-id"]
-
-        async def far_enough() -> bool:
-            return int((await info(b, generation_id))["size"]) > 1000
-
-        await until(far_enough, 10)
+        await until_stored(b, generation_id, 1001)
         owner.kill()
         owner.wait()
-
-        async def taken_over() -> bool:
-            return int((await info(b, generation_id)).get("attempt", 1)) == 2
-
-        await until(taken_over, LEASE + 5)
+        await until_taken_over(b, generation_id)
         async with httpx.AsyncClient(timeout=30) as client:
             during = await client.post(
                 f"{b}/relay/{kind}",
@@ -525,18 +513,10 @@ async def test_a_restart_runs_the_call_again_after_an_event_that_replaces_the_pr
     kind = "restart"
     with replica(postgres_url, provider) as (a, owner), replica(postgres_url, provider) as (b, _):
         generation_id = await start(a, kind)
-
-        async def far_enough() -> bool:
-            return int((await info(b, generation_id))["size"]) > 1000
-
-        await until(far_enough, 10)
+        await until_stored(b, generation_id, 1001)
         owner.kill()
         owner.wait()
-
-        async def taken_over() -> bool:
-            return int((await info(b, generation_id)).get("attempt", 1)) == 2
-
-        await until(taken_over, LEASE + 5)
+        await until_taken_over(b, generation_id)
         whole = await read_whole(b, generation_id)
         final = await info(b, generation_id)
     assert final["status"] == "complete", final
