@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import difflib
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._backends import BackendUnavailable, DurableBackend, MemoryBackend, connect
@@ -24,11 +23,12 @@ from ._contract import (
     UsageStore,
     default_principal,
 )
-from ._disconnect import DisconnectMiddleware
+from ._disconnect import DisconnectMiddleware, check_options
 from ._drain import DrainMiddleware
 from ._errors import AsgiDisconnectError, IdempotencyKeyRequired
 from ._idempotency import IdempotencyMiddleware, idempotent
 from ._metering import MeteringMiddleware, estimate_tokens, metered
+from ._options import refuse_unknown
 from ._pins import SessionPins
 from ._policy import Policy, disconnect_policy
 from ._records import Claim, ClaimState, GenerationInfo, Status, StoredResponse, UsageRecord
@@ -112,8 +112,9 @@ def install(
 ) -> None:
     """Add the package's middleware stack to a Starlette or FastAPI ``app``.
 
-    Outermost first: ``DisconnectMiddleware`` (``options``: ``backend``, ``policy``,
-    ``principal``, ``resume_prefix``, ...), then ``MeteringMiddleware`` (``sinks``,
+    Outermost first: ``DisconnectMiddleware`` (``options``: ``backend``, a backend or its
+    URL for ``connect()``, ``policy``, ``principal``, ``resume_prefix``, ...), checked here,
+    not at the first request, then ``MeteringMiddleware`` (``sinks``,
     ``provider``, ``reservations``, ``tokenizer``). With ``store_usage`` (the default) each
     record is also written to the backend's usage table. ``request_log``: with each record,
     one line in the ``asgi_disconnect.requests`` logger at INFO (id, route, policy, how it
@@ -130,13 +131,16 @@ def install(
             "telemetry must be True or False; pass tracer_provider= / meter_provider= to use "
             "providers of your own"
         )
-    _check_options("install()", options, DisconnectMiddleware, _INSTALL_OPTIONS)
+    refuse_unknown("install()", options, DisconnectMiddleware, _INSTALL_OPTIONS)
+    if isinstance(options.get("backend"), str):
+        options["backend"] = connect(options["backend"])
+    check_options(**options)
     for name, nested, middleware in (
         ("idempotency", idempotency, IdempotencyMiddleware),
         ("drain", drain, DrainMiddleware),
     ):
         if isinstance(nested, Mapping):
-            _check_options(f"install({name}=...)", nested, middleware)
+            refuse_unknown(f"install({name}=...)", nested, middleware)
     traced = telemetry or tracer_provider is not None or meter_provider is not None
     if traced:
         from ._telemetry import require_opentelemetry
@@ -192,21 +196,3 @@ def install(
 
 # install()'s own keywords; anything else goes to DisconnectMiddleware.
 _INSTALL_OPTIONS = tuple(inspect.signature(install).parameters)[1:-1]
-
-
-def _check_options(
-    where: str, given: Iterable[str], middleware: type, also: Iterable[str] = ()
-) -> None:
-    """Refuse an option ``middleware`` does not take, now rather than at the first request
-    (Starlette builds its middleware stack late), naming the closest one it does take."""
-    known = [
-        name
-        for name, parameter in inspect.signature(middleware).parameters.items()
-        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-    ]
-    known += also
-    for name in given:
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; one of {', '.join(known)}"
-            raise TypeError(f"{where} got an unknown option {name!r}{hint}")

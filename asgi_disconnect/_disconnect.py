@@ -14,10 +14,12 @@ in one place, ``Outcome.app_ended`` (``_outcome.py``), whichever task ran the ap
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import re
 import sys
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
@@ -53,7 +55,7 @@ from ._transport import TransportMonitor, tune_listeners
 from ._writer import ClientWriter, LagClock
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Sequence
 
     from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -134,6 +136,9 @@ class DisconnectMiddleware:
         takeover_sinks: Sequence[UsageSink] = (),
     ) -> None:
         _check_options(
+            backend=backend,
+            policy=policy,
+            exclude_paths=exclude_paths,
             client_timeout=client_timeout,
             keep_alive=keep_alive,
             max_lag_bytes=max_lag_bytes,
@@ -141,6 +146,8 @@ class DisconnectMiddleware:
             shutdown_timeout=shutdown_timeout,
             resume_prefix=resume_prefix,
             resume_token_ttl=resume_token_ttl,
+            upstreams=upstreams,
+            takeover_sinks=takeover_sinks,
         )
         self.app = app
         if backend is None:
@@ -569,8 +576,30 @@ _TWICE = (
 )
 
 
+def check_options(**options: Any) -> None:
+    """Refuse options of ``DisconnectMiddleware`` that cannot work, now: ``install()`` calls
+    this before the framework builds its middleware stack (at the first request)."""
+    try:
+        bound = inspect.signature(DisconnectMiddleware).bind(None, **options)
+    except TypeError as exc:
+        raise TypeError(f"DisconnectMiddleware: {exc}") from None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    del arguments["app"]
+    _check_options(**arguments)
+
+
+def _sequence_of(name: str, value: object, what: str) -> None:
+    # A bare string is a sequence too: "/healthz" would be seven patterns, "/" among them.
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} takes a sequence of {what}, not {value!r}: write [{value!r}]")
+
+
 def _check_options(
     *,
+    backend: Backend | None,
+    policy: PolicySource,
+    exclude_paths: Sequence[str],
     client_timeout: float | None,
     keep_alive: float | None,
     max_lag_bytes: int,
@@ -578,8 +607,35 @@ def _check_options(
     shutdown_timeout: float,
     resume_prefix: str | None,
     resume_token_ttl: float,
+    upstreams: Mapping[str, Any] | None,
+    takeover_sinks: Sequence[UsageSink],
+    **unchecked: Any,
 ) -> None:
     """Refuse DisconnectMiddleware's options that cannot work, saying which and why."""
+    if isinstance(backend, str):
+        raise TypeError(
+            f"backend takes a backend, not the URL {backend!r}: pass backend=connect({backend!r})"
+            " (install() accepts the URL itself)"
+        )
+    if backend is not None and not callable(getattr(backend, "record_usage", None)):
+        raise TypeError(
+            f"backend must be a backend such as connect('sqlite:///app.db'), not {backend!r}"
+        )
+    check_source(policy)
+    _sequence_of("exclude_paths", exclude_paths, "path patterns (regular expressions)")
+    for pattern in exclude_paths:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as exc:
+            raise ValueError(
+                f"exclude_paths: {pattern!r} is not a regular expression ({exc})"
+            ) from None
+    if upstreams is not None and not isinstance(upstreams, Mapping):
+        raise TypeError(
+            f"upstreams takes a mapping of names to httpx clients, such as "
+            f'{{"openai": client}}, not {upstreams!r}'
+        )
+    _sequence_of("takeover_sinks", takeover_sinks, "usage sinks")
     if client_timeout is not None and (isinstance(client_timeout, bool) or not client_timeout >= 1):
         raise ValueError("client_timeout must be at least 1 second, or None")
     if keep_alive is not None and not keep_alive > 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, TypeVar
 
@@ -27,7 +28,11 @@ def coerce_policy(value: object) -> Policy:
     try:
         return Policy(value)  # type: ignore[arg-type]
     except ValueError:
-        raise ValueError(f"disconnect policy must be 'cancel' or 'detach', not {value!r}") from None
+        close = difflib.get_close_matches(str(value), [p.value for p in Policy], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"disconnect policy must be 'cancel' or 'detach', not {value!r}{hint}"
+        ) from None
 
 
 def check_source(source: PolicySource) -> PolicySource:

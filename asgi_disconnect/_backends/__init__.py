@@ -7,6 +7,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .._contract import Backend
 from .._errors import BackendUnavailable
+from .._options import refuse_unknown
 from ._durable import DurableBackend
 from ._memory import MemoryBackend
 
@@ -58,6 +59,9 @@ def connect(
     if not sep:
         raise ValueError(f"backend URL needs a scheme such as 'sqlite:///app.db', got {url!r}")
     scheme = scheme.lower()
+    if scheme in ("memory", "sqlite", "postgresql", "postgres"):
+        target = MemoryBackend if scheme == "memory" else DurableBackend
+        refuse_unknown(f"connect({url!r})", options, target)
     if init is not None and scheme != "sqlite":
         raise ValueError(
             f"init= is for SQLite URLs, not {scheme!r}; on PostgreSQL pass pool= an asyncpg "

@@ -56,3 +56,72 @@ def test_the_options_of_every_part_are_taken() -> None:
         drain={"deadline": 10, "signals": False},
     )
     assert len(app.user_middleware) == 4
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        (
+            {"policy": "detatch"},
+            ValueError,
+            "disconnect policy must be 'cancel' or 'detach', not 'detatch'; did you mean 'detach'?",
+        ),
+        (
+            # A bare string is a sequence of one-character patterns: "/" matches every path.
+            {"exclude_paths": "/healthz"},
+            TypeError,
+            "exclude_paths takes a sequence of path patterns (regular expressions), "
+            "not '/healthz': write ['/healthz']",
+        ),
+        (
+            {"exclude_paths": ["/ok", "(unclosed"]},
+            ValueError,
+            "exclude_paths: '(unclosed' is not a regular expression "
+            "(missing ), unterminated subpattern at position 0)",
+        ),
+        (
+            {"backend": 42},
+            TypeError,
+            "backend must be a backend such as connect('sqlite:///app.db'), not 42",
+        ),
+        ({"client_timeout": 0.5}, ValueError, "client_timeout must be at least 1 second, or None"),
+        (
+            {"upstreams": ["openai"]},
+            TypeError,
+            "upstreams takes a mapping of names to httpx clients, such as "
+            "{\"openai\": client}, not ['openai']",
+        ),
+    ],
+)
+def test_a_value_that_cannot_work_is_refused_at_install_not_at_the_first_request(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    app = Starlette()
+    with pytest.raises(error) as raised:
+        install(app, **options)
+    assert str(raised.value) == message
+    assert app.user_middleware == []
+
+
+def test_a_backend_url_is_connected_by_install(tmp_path: Any) -> None:
+    """``backend="sqlite:///..."`` is what connect() makes of that URL, not an
+    AttributeError at the first record."""
+    from asgi_disconnect import DurableBackend
+
+    app = Starlette()
+    install(app, backend=f"sqlite:///{tmp_path / 'x.db'}")
+    (disconnect,) = [m for m in app.user_middleware if m.cls.__name__ == "DisconnectMiddleware"]
+    assert isinstance(disconnect.kwargs["backend"], DurableBackend)
+
+
+def test_connect_names_the_option_meant() -> None:
+    from asgi_disconnect import connect
+
+    with pytest.raises(TypeError) as raised:
+        connect("sqlite:///x.db", flush_intervall=0.1)
+    assert str(raised.value) == (
+        "connect('sqlite:///x.db') got an unknown option 'flush_intervall'; "
+        "did you mean 'flush_interval'?"
+    )
+    with pytest.raises(TypeError, match="did you mean 'max_bytes'"):
+        connect("memory://", max_byte=1)
