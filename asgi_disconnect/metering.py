@@ -13,6 +13,7 @@ the first events unless it is given.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -69,12 +70,12 @@ _LLM_OBJECTS = frozenset({"chat.completion", "response", "text_completion"})
 # batch names its rows before its usage, at the end).
 _LLM_HINTS = (
     b'"choices"',
-    b'"usage"',
     b'"candidates"',
-    b'"usageMetadata"',
     b'"object":"embedding"',
     b'"object": "embedding"',
 )
+# A usage of token counts, seen in a body's first part: its first member a count of tokens.
+_USAGE_HINT = re.compile(rb'"usage(?:Metadata)?"\s*:\s*\{\s*"\w*(?:_tokens|TokenCount)"\s*:\s*\d')
 _WHOLE_JSON = 1 << 20
 
 
@@ -85,7 +86,11 @@ def is_llm_json(body: bytes, status: int, *, whole: bool = True) -> bool:
     in pieces, judged by what it shows (``choices``, ``usage``, embeddings' rows...)."""
     if not whole or len(body) > _WHOLE_JSON:
         head = body[:65536]
-        return any(hint in head for hint in _LLM_HINTS) or b'"chat.completion"' in head
+        return (
+            any(hint in head for hint in _LLM_HINTS)
+            or b'"chat.completion"' in head
+            or _USAGE_HINT.search(head) is not None
+        )
     try:
         shape = _SHAPE.decode(body)
     except msgspec.DecodeError:
@@ -102,7 +107,7 @@ def llm_shape(shape: Any, status: int | None) -> bool:
         return True
     if shape.choices is not unset or shape.candidates is not unset:
         return True
-    if shape.usage is not unset or shape.usageMetadata is not unset:
+    if _token_counts(shape.usage) or _token_counts(shape.usageMetadata):
         return True
     # A provider's refusal passed on: its error object under an error status.
     error = shape.error
@@ -110,6 +115,15 @@ def llm_shape(shape: Any, status: int | None) -> bool:
         (status or 0) >= 400
         and isinstance(error, dict)
         and any(name in error for name in ("type", "message", "status", "code"))
+    )
+
+
+def _token_counts(usage: Any) -> bool:
+    """A ``usage`` an LLM API writes: an object with a count of tokens (``prompt_tokens``,
+    ``input_tokens``, Gemini's ``promptTokenCount``...), not an app's own ``usage``."""
+    return isinstance(usage, dict) and any(
+        (name.endswith(("_tokens", "TokenCount")) and type(value) is int)
+        for name, value in usage.items()
     )
 
 

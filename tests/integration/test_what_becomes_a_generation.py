@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
-from asgi_disconnect import connect, disconnect_policy, install
+from asgi_disconnect import UsageRecord, connect, disconnect_policy, install
 from asgi_disconnect.testing import request, run_server
 from tests.apps import as_tester
 
@@ -53,6 +53,18 @@ def existing_app(cancelled: asyncio.Event) -> FastAPI:
     async def completion() -> JSONResponse:
         return JSONResponse(COMPLETION)
 
+    @app.get("/stats")
+    async def stats() -> dict[str, object]:
+        return {"n": 3, "usage": "not an llm"}
+
+    @app.get("/quota")
+    async def quota() -> dict[str, object]:
+        return {"plan": "free", "usage": {"requests": 10, "limit": 100}}
+
+    @app.post("/v1/embed")
+    async def embed() -> dict[str, object]:  # no "object", no "choices": its usage says it
+        return {"data": [[0.1, 0.2]], "usage": {"prompt_tokens": 2, "total_tokens": 2}}
+
     @app.post("/v1/limited")
     async def limited() -> JSONResponse:
         return JSONResponse({"error": {"type": "rate_limit", "message": "later"}}, status_code=429)
@@ -76,9 +88,11 @@ async def test_only_llm_exchanges_become_generations(tmp_path: Path) -> None:
     cancelled = asyncio.Event()
     app = existing_app(cancelled)
     db = f"sqlite:///{tmp_path / 'g.db'}"
+    records: list[UsageRecord] = []
     install(
         app,
         backend=connect(db),
+        sinks=[records.append],
         idempotency=True,
         drain={"signals": False, "drain_token": "op"},
         principal=as_tester,
@@ -87,10 +101,20 @@ async def test_only_llm_exchanges_become_generations(tmp_path: Path) -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
             plain = {
                 path: await client.get(path)
-                for path in ("/docs", "/openapi.json", "/healthz", "/", "/nowhere")
+                # /stats, /quota: an app's own JSON with a "usage" that is no token counts.
+                for path in (
+                    "/docs",
+                    "/openapi.json",
+                    "/healthz",
+                    "/",
+                    "/nowhere",
+                    "/stats",
+                    "/quota",
+                )
             }
             llm = {
                 "/v1/chat/completions": await client.post("/v1/chat/completions"),
+                "/v1/embed": await client.post("/v1/embed"),
                 "/v1/limited": await client.post("/v1/limited"),
                 "/v1/stream": await client.post("/v1/stream"),
                 "/export": await client.get("/export"),
@@ -112,4 +136,10 @@ async def test_only_llm_exchanges_become_generations(tmp_path: Path) -> None:
         stored = {info.id for info in await backend.recent(limit=100)}  # type: ignore[attr-defined]
     finally:
         await backend.aclose()
-    assert stored == {response.headers["x-generation-id"] for response in llm.values()}
+    generations = {response.headers["x-generation-id"] for response in llm.values()}
+    assert stored == generations
+    # A usage sink is handed no record of what answered and was no LLM exchange; one of each
+    # LLM exchange (the export chose a policy, and is no LLM call: it has none).
+    assert not [record for record in records if record.route in plain]
+    metered = sorted(record.route for record in records if record.route in llm)
+    assert metered == sorted(path for path in llm if path != "/export")
