@@ -100,6 +100,94 @@ def _first_blank_line(data: bytes) -> int:
     return min(ends) if ends else -1
 
 
+# What a JSON document too large to hold says at its ends: its first strings of these names
+# (the head) and its last usage object (the tail).
+_FIRST_STRING = {
+    name: re.compile(rb'"' + name.encode() + rb'"\s*:\s*"([^"\\]{0,200})"')
+    for name in ("object", "model", "type", "status")
+}
+_USAGE_KEY = re.compile(rb'"(usage|usageMetadata)"\s*:\s*\{')
+_QUOTE, _BACKSLASH, _OPEN, _CLOSE = b'"\\{}'  # as bytes iterate: their values
+# An event over the window is read by its ends: its first and last bytes.
+_EVENT_HEAD = 16 << 10
+_EVENT_TAIL = 256 << 10
+_EVENT_LAST = 4 << 10
+_EVENT_LINE = re.compile(rb"^event:[ ]?([^\r\n]*)", re.MULTILINE)
+_ENCODE = msgspec.json.Encoder()
+
+
+def first_strings(head: bytes) -> dict[str, str]:
+    """The first ``object``, ``model``, ``type`` and ``status`` strings in ``head``."""
+    fields: dict[str, str] = {}
+    for name, pattern in _FIRST_STRING.items():
+        match = pattern.search(head)
+        if match:
+            fields[name] = match.group(1).decode("utf-8", "replace")
+    return fields
+
+
+def last_usage(tail: bytes) -> dict[str, Any]:
+    """The last whole ``usage`` (or Gemini's ``usageMetadata``) object in ``tail``, or {}."""
+    matches = list(_USAGE_KEY.finditer(tail))
+    if matches:
+        found = _json_object_at(tail, matches[-1].end() - 1)
+        if found is not None:
+            try:
+                usage = msgspec.json.decode(found)
+            except msgspec.DecodeError:
+                return {}
+            return usage if isinstance(usage, dict) else {}
+    return {}
+
+
+def _json_object_at(data: bytes, start: int) -> bytes | None:
+    """The JSON object that opens at ``data[start]`` (a ``{``), by its brackets; None if it
+    does not close within ``data``."""
+    depth = 0
+    in_string = escaped = False
+    for index in range(start, len(data)):
+        byte = data[index]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == _BACKSLASH:
+                escaped = True
+            elif byte == _QUOTE:
+                in_string = False
+        elif byte == _QUOTE:
+            in_string = True
+        elif byte == _OPEN:
+            depth += 1
+        elif byte == _CLOSE:
+            depth -= 1
+            if not depth:
+                return data[start : index + 1]
+    return None
+
+
+def event_by_its_ends(head: bytes, tail: bytes) -> ServerSentEvent:
+    """What an event too large to read says at its ends, as a small event of its own: its
+    name and ``type`` (and a Responses API response's ``status`` and ``model``) from its
+    head, the last ``usage`` from its tail. OpenAI's ``response.completed`` carries the
+    whole output (an image's base64) before its usage."""
+    match = _EVENT_LINE.search(head)
+    name = match.group(1).decode("utf-8", "replace") if match else "message"
+    data_at = head.find(b"data:")
+    data = head[data_at:] if data_at >= 0 else b""
+    fields = first_strings(data)
+    usage = last_usage(tail)
+    payload: dict[str, Any] = {k: fields[k] for k in ("type", "object", "model") if k in fields}
+    if b'"response"' in data:
+        payload["response"] = {
+            "status": fields.get("status"),
+            "model": fields.get("model"),
+            "usage": usage or None,
+        }
+    elif usage:
+        payload["usage"] = usage
+    return ServerSentEvent(event=name, data=_ENCODE.encode(payload).decode())
+
+
 class StreamMeter:
     """Read a stream chunk by chunk; ``feed`` never awaits and never raises.
 
@@ -115,10 +203,13 @@ class StreamMeter:
         "_carry",
         "_decoder",
         "_detections_left",
+        "_event_head",
+        "_event_last",
         "_first_offset",
         "_limit",
         "_max_event",
         "_open",
+        "_skip_tail",
         "_skipping",
         "_state",
         "_stopped",
@@ -140,6 +231,9 @@ class StreamMeter:
         self._open = 0  # bytes since the last blank line: the event under way
         self._skipping = False
         self._carry = b""  # while skipping: the last bytes, a blank line may straddle
+        self._event_head = b""  # the first bytes of the event under way
+        self._event_last = b""  # and its last
+        self._skip_tail = bytearray()  # while skipping: the event's last bytes
         self.skipped_events = 0
         self._state = StreamState(provider)
         self._adapter = ADAPTERS[provider] if provider is not None else None
@@ -166,6 +260,8 @@ class StreamMeter:
         try:
             if type(chunk) is not bytes:
                 chunk = bytes(chunk)
+            if (self._open or len(chunk) > WINDOW) and self._outgrown(chunk):
+                return
             if self._skipping:
                 chunk = self._skip(chunk)
                 if not chunk:
@@ -178,9 +274,17 @@ class StreamMeter:
             else:
                 end = _after_blank_line(chunk)
                 size = self._open = len(chunk) - end if end >= 0 else self._open + len(chunk)
+            if size:
+                # The event under way: its head is kept, to read it by its ends if it is
+                # too large to hold (rare: most chunks end where an event does).
+                if end >= 0:
+                    self._event_head = chunk[end : end + _EVENT_HEAD]
+                elif len(self._event_head) < _EVENT_HEAD:
+                    self._event_head += chunk[: _EVENT_HEAD - len(self._event_head)]
+                self._event_last = chunk[-_EVENT_LAST:]
             if size > self._limit:
                 # The event under way is too large to hold: read what ended before it,
-                # then skip it.
+                # then skip the rest of it, keeping its last bytes.
                 head = chunk[:end] if end >= 0 else b""
                 events = self._decode(head) if head else []
                 self._start_skipping(chunk[len(head) :])
@@ -200,6 +304,21 @@ class StreamMeter:
             logger.exception("metering failed; the rest of this stream is not metered")
             self._stop({"type": "meter_error", "message": "the stream could not be metered"})
 
+    def _outgrown(self, chunk: bytes) -> bool:
+        """The event under way may outgrow the window in ``chunk``: skip it from here if it
+        does (it is read by its ends); True if ``chunk`` was read here."""
+        if len(chunk) > WINDOW:
+            # In pieces, so that an event in it larger than the window is read by its ends,
+            # not handed whole to the decoder, whose limits it would break.
+            for start in range(0, len(chunk), WINDOW):
+                self.feed(chunk[start : start + WINDOW])
+            return True
+        if self._open and not self._skipping and self._open + len(chunk) > self._limit:
+            first = _first_blank_line(chunk)
+            if first >= 0 and self._open + first > self._limit:
+                self._start_skipping(b"")  # it ends in this chunk, larger than the window
+        return False
+
     def _decode(self, chunk: bytes) -> list[ServerSentEvent]:
         if self._first_offset is None:
             return self._feed_first(chunk)
@@ -212,6 +331,8 @@ class StreamMeter:
         self._decoder = SSEDecoder(max_event_bytes=self._max_event)
         self._skipping = True
         self._carry = rest[-3:]
+        # Its last bytes: a usage object may straddle the chunk it outgrew the window in.
+        self._skip_tail = bytearray(rest[-_EVENT_TAIL:] if rest else self._event_last)
         self._open = 0
 
     def _skip(self, chunk: bytes) -> bytes:
@@ -220,14 +341,23 @@ class StreamMeter:
         carry = self._carry
         data = carry + chunk
         end = _first_blank_line(data)
+        tail = self._skip_tail
         if end < 0:
             self._base += len(chunk)
             self._carry = data[-3:]
+            tail += chunk
+            if len(tail) > 2 * _EVENT_TAIL:
+                del tail[: len(tail) - _EVENT_TAIL]
             return b""
         self._skipping = False
         self._carry = b""
         consumed = end - len(carry)
         self._base += consumed
+        tail += chunk[: max(consumed, 0)]
+        event = event_by_its_ends(self._event_head, bytes(tail[-_EVENT_TAIL:]))
+        self._event_head, self._skip_tail = b"", bytearray()
+        self.event_count += 1
+        self._read([event])
         return chunk[consumed:]
 
     def jump(self, count: int) -> None:

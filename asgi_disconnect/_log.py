@@ -254,8 +254,10 @@ class Generation:
     def tail_start(self) -> int:
         """Where an event stream's end starts in memory: just past the blank line before its
         last ``TAIL_EVENTS`` complete events (what follows them included), or
-        ``TAIL_LIMIT`` bytes from its end, or ``base``, whichever is latest. A blank
-        line split between chunks may go unseen, which keeps more, never less."""
+        ``TAIL_LIMIT`` bytes from its end, or ``base``, whichever is latest; but never inside
+        an event: one that ``TAIL_LIMIT`` would cut (an image's base64 in the terminal event)
+        is kept from its start, for metering to read it by its ends. A blank line split
+        between chunks may go unseen, which keeps more, never less."""
         chunks = self.chunks
         index = len(chunks)
         end = self.size
@@ -283,7 +285,25 @@ class Generation:
                     return max(mark + (2 if chunk[position + 1] == 10 else 3), low)
             after = chunk
             end = start
-        return low
+        return self._event_start(low) if low > self.base else low
+
+    def _event_start(self, offset: int) -> int:
+        """Just past the last blank line before ``offset`` in memory (the start of the event
+        ``offset`` falls in), or ``base``."""
+        chunks = self.chunks
+        index = len(chunks)
+        end = self.size
+        while index > self.base_index:
+            index -= 1
+            chunk = chunks[index]
+            start = end - len(chunk)
+            if start < offset:
+                limit = min(len(chunk), offset - start)
+                position = max(chunk.rfind(b"\n\n", 0, limit), chunk.rfind(b"\n\r\n", 0, limit))
+                if position >= 0:
+                    return start + position + (2 if chunk[position + 1] == 10 else 3)
+            end = start
+        return self.base
 
     def read_back(self, start: int, end: int) -> bytes:
         """Bytes ``start`` to ``end``, found from the log's end (a few chunks back, no

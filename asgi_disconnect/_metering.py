@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
 import re
@@ -26,7 +25,14 @@ from ._contract import (
     content_kind,
 )
 from ._lifecycle import lifecycle_of
-from ._llm_stream import WINDOW, StreamMeter, StreamReport, _after_blank_line
+from ._llm_stream import (
+    WINDOW,
+    StreamMeter,
+    StreamReport,
+    _after_blank_line,
+    first_strings,
+    last_usage,
+)
 from ._records import UsageRecord
 from ._request_log import REQUESTS, check_format, log_request
 from .metering import analyze, llm_shape
@@ -1279,57 +1285,12 @@ def prompt_text(body: bytes) -> str:
     return "\n".join(out)
 
 
-_FIRST_STRING = {
-    name: re.compile(rb'"' + name.encode() + rb'"\s*:\s*"([^"\\]{0,200})"')
-    for name in ("object", "model", "type")
-}
-_USAGE_KEY = re.compile(rb'"(usage|usageMetadata)"\s*:\s*\{')
-
-
-_QUOTE, _BACKSLASH, _OPEN, _CLOSE = b'"\\{}'  # as bytes iterate: their values
-
-
-def _json_object_at(data: bytes, start: int) -> bytes | None:
-    """The JSON object that opens at ``data[start]`` (a ``{``), by its brackets; None if it
-    does not close within ``data``."""
-    depth = 0
-    in_string = escaped = False
-    for index in range(start, len(data)):
-        byte = data[index]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == _BACKSLASH:
-                escaped = True
-            elif byte == _QUOTE:
-                in_string = False
-        elif byte == _QUOTE:
-            in_string = True
-        elif byte == _OPEN:
-            depth += 1
-        elif byte == _CLOSE:
-            depth -= 1
-            if not depth:
-                return data[start : index + 1]
-    return None
-
-
 def _json_ends_report(head: bytes, tail: bytes, provider: str | None) -> tuple[Any, bool]:
     """Usage from a JSON body too large to hold, by its ends: ``object`` / ``type`` /
     ``model`` from its head, the last ``usage`` object from its tail; whole if the tail
     closes the document."""
-    fields: dict[str, str] = {}
-    for name, pattern in _FIRST_STRING.items():
-        match = pattern.search(head)
-        if match:
-            fields[name] = match.group(1).decode("utf-8", "replace")
-    usage: dict[str, Any] = {}
-    matches = list(_USAGE_KEY.finditer(tail))
-    if matches:
-        found = _json_object_at(tail, matches[-1].end() - 1)
-        if found is not None:
-            with contextlib.suppress(msgspec.DecodeError):
-                usage = _dict(msgspec.json.decode(found))
+    fields = first_strings(head)
+    usage = last_usage(tail)
     input_tokens = _count(usage, "prompt_tokens", "input_tokens", "promptTokenCount")
     output_tokens = _count(usage, "completion_tokens", "output_tokens", "candidatesTokenCount")
     if fields.get("object") == "chat.completion":

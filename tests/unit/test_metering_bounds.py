@@ -140,3 +140,88 @@ async def test_a_50_mb_json_body_is_read_by_its_ends_in_a_bounded_window() -> No
     assert record.model == "text-embedding-3-small"
     assert record.produced_bytes > 50 << 20
     assert peak < 16 << 20, f"metering held {peak:,} bytes of a 50 MB body"
+
+
+def image_completed(size: int, newline: bytes = b"\n") -> list[bytes]:
+    """An OpenAI Responses stream with an image tool: its terminal ``response.completed``
+    carries the whole output, the image's ``size`` bytes of base64, before the usage."""
+    n = newline
+    return [
+        b"event: response.created" + n + b'data: {"type":"response.created","response":'
+        b'{"id":"resp_1","object":"response","status":"in_progress","model":"gpt-image"}}'
+        + n + n,
+        # More events than metering reads as they are produced: the end is read from the log.
+        *[
+            b"event: response.output_text.delta" + n
+            + b'data: {"type":"response.output_text.delta","delta":"' + word + b'"}' + n + n
+            for word in b"Here it is, as you asked .".split()
+        ],
+        b"event: response.completed" + n + b'data: {"type":"response.completed",'
+        b'"sequence_number":9,"response":{"id":"resp_1","object":"response",'
+        b'"status":"completed","model":"gpt-image","output":[{"type":"image_generation_call",'
+        b'"result":"' + b"QUJD" * (size // 4) + b'"}],"usage":{"input_tokens":12,'
+        b'"output_tokens":1500,"output_tokens_details":{"reasoning_tokens":0}}}}' + n + n,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n"])
+@pytest.mark.parametrize("piece", [None, 1 << 20, 65536, 4099])
+def test_a_terminal_event_over_the_window_is_read_by_its_ends(
+    piece: int | None, newline: bytes
+) -> None:
+    """1.5 MB of base64 in the terminal event: its type says the stream is complete, its
+    tail has the provider's usage, whatever the chunks (the whole stream in one included)."""
+    stream = b"".join(image_completed(1_500_000, newline))
+    meter = StreamMeter()
+    size = piece or len(stream)
+    for start in range(0, len(stream), size):
+        meter.feed(stream[start : start + size])
+    report = meter.report()
+    assert report.error is None
+    assert report.skipped_events == 1
+    assert report.terminal_marker_seen
+    assert report.finish_reason == "completed"
+    assert (report.input_tokens, report.output_tokens) == (12, 1500)
+    assert report.usage_source == "provider"
+    assert report.text == "Hereitis,asyouasked."
+
+
+async def test_through_the_stack_a_terminal_event_over_the_window_completes_and_replays() -> None:
+    """Through ``install()`` with idempotency: the stream is stored ``complete`` with the
+    provider's usage, not ``truncated`` with an estimate, and a retry with the same key is a
+    replay: the upstream runs once."""
+    from asgi_disconnect import MemoryBackend, install
+    from asgi_disconnect.testing import drive
+    from asgi_disconnect.testing._driver import lifespan
+
+    records: list[UsageRecord] = []
+    runs = 0
+
+    async def responses(request: Request) -> StreamingResponse:
+        nonlocal runs
+        runs += 1
+
+        async def body() -> AsyncIterator[bytes]:
+            stream = b"".join(image_completed(1_500_000))
+            for start in range(0, len(stream), CHUNK):
+                yield stream[start : start + CHUNK]
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/responses", responses, methods=["POST"])])
+    install(app, backend=MemoryBackend(), sinks=[records.append], idempotency=True)
+    headers = [
+        ("idempotency-key", "image-1"),
+        ("content-type", "application/json"),
+        ("authorization", "Bearer alice"),
+    ]
+    async with lifespan(app):
+        first = await drive(app, method="POST", path="/v1/responses", headers=headers, body=b"{}")
+        again = await drive(app, method="POST", path="/v1/responses", headers=headers, body=b"{}")
+    assert first.status == again.status == 200
+    assert again.body == first.body
+    assert runs == 1
+    (record,) = records
+    assert record.outcome == "complete"
+    assert record.usage_source == "provider"
+    assert (record.input_tokens, record.output_tokens) == (12, 1500)
