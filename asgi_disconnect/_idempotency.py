@@ -49,6 +49,7 @@ _REPLAYED = (b"idempotent-replayed", b"true")
 _REPLAY_HEADERS = frozenset(
     {
         "content-type",
+        "content-length",  # the original's framing: replayed with the stored body's size
         "content-encoding",
         "content-language",
         "cache-control",
@@ -661,10 +662,14 @@ class IdempotencyMiddleware:
             # Settled by the replica that took the generation over: the answer is its log.
             await self._attach(stored.generation_id, send)
             return
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in stored.headers]
+        chunks = stored.chunks or [b""]
+        size = str(sum(map(len, chunks))).encode()
+        headers = [
+            (name, size if name == b"content-length" else v.encode("latin-1"))
+            for name, v in ((k.lower().encode("latin-1"), v) for k, v in stored.headers)
+        ]
         headers.append(_REPLAYED)
         await send({"type": "http.response.start", "status": stored.status, "headers": headers})
-        chunks = stored.chunks or [b""]
         for index, chunk in enumerate(chunks):
             last = index == len(chunks) - 1
             await send({"type": "http.response.body", "body": chunk, "more_body": not last})

@@ -159,6 +159,9 @@ async def test_first_runs_then_retries_replay_byte_identical() -> None:
     assert again.header("idempotent-replayed") == "true"
     assert first.header("idempotent-replayed") is None
     assert again.header("content-type") == "application/json"
+    # The original's framing: a length where it had one, not a chunked replay.
+    assert again.header("content-length") == first.header("content-length")
+    assert first.header("content-length") == str(len(first.body))
 
 
 async def test_a_streamed_body_replays_chunk_exact() -> None:
@@ -170,6 +173,7 @@ async def test_a_streamed_body_replays_chunk_exact() -> None:
     bodies = [m["body"] for m in again.messages if m["type"] == "http.response.body"]
     assert bodies == [b"data: %d\n\n" % i for i in range(5)]
     assert again.body == first.body
+    assert again.header("content-length") is first.header("content-length") is None
 
 
 async def test_the_same_key_with_another_body_is_422() -> None:
