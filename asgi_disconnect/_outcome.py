@@ -258,7 +258,11 @@ class Outcome:
 
     async def _send_problem(self, exc: UpstreamStreamError) -> None:
         status = 504 if isinstance(exc, (FirstTokenTimeout, IdleTimeout)) else 502
-        headers = [(b"connection", b"close")]
+        # The id its log line and usage record carry, for the caller to quote.
+        headers = [
+            (b"connection", b"close"),
+            (b"x-generation-id", self.state.generation_id.encode()),
+        ]
         if isinstance(exc, UpstreamStatusError) and exc.retry_after:
             headers.append((b"retry-after", exc.retry_after.encode("latin-1")))
         out = self.out
