@@ -15,9 +15,16 @@ _encode = msgspec.json.Encoder().encode
 
 
 def problem_body(status: int, slug: str, title: str, detail: str | None = None) -> bytes:
+    """RFC 9457's members, and an ``error`` object in the shape the openai and anthropic
+    SDKs read, so that their exceptions carry the reason (``code``, ``type``, ``message``)."""
     body: dict[str, object] = {"type": PROBLEM_BASE + slug, "title": title, "status": status}
     if detail is not None:
         body["detail"] = detail
+    body["error"] = {
+        "type": slug.replace("-", "_"),
+        "code": slug,
+        "message": detail if detail is not None else title,
+    }
     return _encode(body)
 
 

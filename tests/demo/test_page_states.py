@@ -311,6 +311,11 @@ async def test_a_usage_record_is_read_by_its_caller_only(tmp_path: Path, browser
             "title": "Not Found",
             "status": 404,
             "detail": "No usage record yet: metering…",
+            "error": {
+                "type": "usage_not_settled",
+                "code": "usage-not-settled",
+                "message": "No usage record yet: metering…",
+            },
         }
         assert theirs.status == 404
         assert theirs.headers["content-type"] == "application/problem+json"

@@ -108,3 +108,49 @@ async def test_a_retry_with_the_same_idempotency_key_is_replayed(tmp_path: Path)
                 answers.append((raw.headers.get("idempotent-replayed"), text))
         assert answers == [(None, FULL), ("true", FULL)]
         assert len(demo.provider.requests) == 1  # run once, paid once
+
+
+async def test_a_refusal_reaches_each_sdk_with_its_reason(tmp_path: Path) -> None:
+    """The stack's refusals are problem+json with an ``error`` object too, the shape the
+    openai and anthropic SDKs read: the exception names the reason, not only the status."""
+    import anthropic
+    import openai
+
+    other = [{"role": "user", "content": "another question"}]
+    key = {"Idempotency-Key": "reused-1"}
+    with demo_server(tmp_path, tokens=5, tokens_per_second=2000) as demo:
+        async with openai.AsyncOpenAI(base_url=f"{demo.url}/v1", api_key="sk-test") as client:
+            await client.chat.completions.create(
+                model="fake-model",
+                messages=MESSAGES,  # type: ignore[arg-type]
+                extra_headers=key,
+            )
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.chat.completions.create(
+                    model="fake-model",
+                    messages=other,  # type: ignore[arg-type]
+                    extra_headers=key,
+                )
+        async with anthropic.AsyncAnthropic(base_url=demo.url, api_key="sk-ant-test") as claude:
+            await claude.messages.create(
+                model="fake-model",
+                max_tokens=20,
+                messages=MESSAGES,  # type: ignore[arg-type]
+                extra_headers=key,
+            )
+            with pytest.raises(anthropic.APIStatusError) as declined:
+                await claude.messages.create(
+                    model="fake-model",
+                    max_tokens=20,
+                    messages=other,  # type: ignore[arg-type]
+                    extra_headers=key,
+                )
+    assert refused.value.status_code == declined.value.status_code == 422
+    assert refused.value.code == "idempotency-key-reused"
+    assert refused.value.type == "idempotency_key_reused"
+    assert isinstance(refused.value.body, dict)
+    assert "another request" in str(refused.value.body["message"])
+    body = declined.value.body
+    assert isinstance(body, dict)
+    assert body["error"]["code"] == "idempotency-key-reused"
+    assert body["type"] == "urn:asgi-disconnect:problem:idempotency-key-reused"
