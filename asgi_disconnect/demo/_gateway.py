@@ -172,7 +172,11 @@ def make_app(
             )
         try:
             stream = await open_stream(
-                client, outgoing, first_token_timeout=first_token_timeout, idle_timeout=idle_timeout
+                client,
+                outgoing,
+                first_token_timeout=first_token_timeout,
+                idle_timeout=idle_timeout,
+                ask_for_usage=True,  # the provider's own counts, not an estimate
             )
         except UpstreamStatusError as exc:
             error = exc.error if exc.error is not None else {"error": str(exc)}
