@@ -253,6 +253,7 @@ class ConnectionWatch:
         "last",
         "on_dead",
         "on_settled",
+        "owed_since",
         "request",
         "sizes",
     )
@@ -282,6 +283,10 @@ class ConnectionWatch:
         self.final = sample.state in _PEER_CLOSED
         self.on_dead: Callable[[], None] | None = on_dead
         self.on_settled: Callable[[], None] | None = None
+        # The first sample (loop time) since the peer owed nothing that found bytes it has
+        # not acknowledged: it has been silent no longer than since then, whatever the age
+        # of its last acknowledgement (old after a long first token, with nothing owed).
+        self.owed_since: float | None = None
 
     def handed_other(self, size: int) -> None:
         """A body message of ``size`` bytes that is not the app's output (a keep-alive)."""
@@ -510,10 +515,19 @@ class TransportMonitor:
         watch.update(sample)
         if prune and len(watch.sizes) > _PRUNE_AT:
             watch.acked_body  # noqa: B018 - works out what is acknowledged, and forgets it
+        if not sample.queued:
+            watch.owed_since = None
+            return
+        assert self._loop is not None
+        now = self._loop.time()
+        owed_since = watch.owed_since
+        if owed_since is None:
+            watch.owed_since = owed_since = now
+        timeout = self.client_timeout
         if (
             not watch.final
-            and sample.queued
-            and sample.last_ack_ms >= self.client_timeout * 1000
+            and sample.last_ack_ms >= timeout * 1000
+            and now - owed_since >= timeout
             and watch.sizes
         ):
             self._dead(watch)

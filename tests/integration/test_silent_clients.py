@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import json
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,11 +39,14 @@ SERVERS = ["uvicorn", "hypercorn", "granian"]
 
 @pytest.mark.parametrize("server", SERVERS)
 async def test_a_vanished_client_is_cancelled_and_billed_for_what_it_received(
-    server: str, tmp_path: Path
+    server: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """cancel: the upstream closes within client_timeout + 5 s of the vanish; the record
-    says what the client's TCP acknowledged, within one event of what it received."""
+    says what the client's TCP acknowledged, within one event of what it received; the
+    server learns the connection is dead before the app returns, so it logs no error."""
     timeout = 4.0
+    uvicorn_log = logging.getLogger("uvicorn.error")  # its own handler: not propagated
+    uvicorn_log.addHandler(caplog.handler)
     with (
         hypercorn_s_shutdown_errors(server),
         served(server, tmp_path, client_timeout=timeout) as setup,
@@ -85,6 +89,10 @@ async def test_a_vanished_client_is_cancelled_and_billed_for_what_it_received(
     got = estimate_tokens(text)  # counted as the record counts them
     assert abs(delivered_tokens - got) <= 2, (delivered_tokens, got)
     reader.close()
+    uvicorn_log.removeHandler(caplog.handler)
+    # uvicorn logs an ERROR for an app that returns mid-response to a client it thinks alive.
+    unfinished = [r for r in caplog.records if "without completing response" in r.getMessage()]
+    assert not unfinished, [r.getMessage() for r in unfinished]
 
 
 @pytest.mark.parametrize("server", SERVERS)
@@ -169,6 +177,32 @@ async def test_a_client_vanishing_during_a_silent_first_token_is_noticed(
         reader.close()
     (record,) = records
     assert record.outcome == "cancelled"
+
+
+async def test_a_link_that_drops_as_a_long_first_token_arrives_is_not_cut(
+    tmp_path: Path,
+) -> None:
+    """A reasoning model's first token after longer than client_timeout, and the phone's
+    link drops for 1.5 s as it arrives (less than client_timeout): the client's last
+    acknowledgement is old only because nothing was owed; it is silent for 1.5 s, not for
+    the whole wait, and reads its answer to the end."""
+    timeout, first_token = 3.0, 5.0
+    with served("uvicorn", tmp_path, client_timeout=timeout, keep_alive=None) as setup:
+        cable, provider, records = setup.cable, setup.provider, setup.records
+        headers, body = body_json(tokens=60, rate=30, first_token_delay=first_token)
+        reader = await setup.open("/v1/chat/completions", headers, body)
+        await eventually(lambda: provider.requests, 10, "the upstream call")
+        await asyncio.sleep(first_token - 0.3)
+        cable.cut()  # the first token goes out into the drop
+        await asyncio.sleep(1.5)
+        cable.restore()
+        await reader.wait_done(30)
+        assert reader.complete
+        await eventually(lambda: records, 10, "a usage record")
+        reader.close()
+    (record,) = records
+    assert record.outcome == "complete"
+    assert record.delivered_bytes == record.produced_bytes == len(reader.body)
 
 
 @pytest.mark.parametrize("server", SERVERS)
