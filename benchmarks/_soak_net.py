@@ -93,6 +93,9 @@ class Group:
         )  # fmt: skip
         _run("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
         _run("ip", "link", "set", self.host_if, "up")
+        # Strict reverse-path filtering: a blackholed client's own packets are dropped too,
+        # so a vanished client is silent both ways (its kernel's retransmissions included).
+        _run("sysctl", "-qw", f"net.ipv4.conf.{self.host_if}.rp_filter=1")
         ns = ("ip", "-n", self.namespace)
         _run(*ns, "link", "set", "lo", "up")
         _run(*ns, "addr", "add", f"{self.client_ip}/24", "dev", self.client_if)
@@ -116,7 +119,8 @@ class Group:
             self.addresses.add(address)
 
     def blackhole(self, address: str) -> None:
-        """The machine drops what it sends to ``address``: that client answers nothing."""
+        """The machine drops what it sends to ``address``, and (rp_filter) what comes from it:
+        that client answers nothing."""
         _run("ip", "route", "add", "blackhole", f"{address}/32")
         self.blackholed.add(address)
 

@@ -816,13 +816,13 @@ def population_figures(
         over_bound.append(after_first_unacked / bound)
         silence_cost += after
         if call.closed_at is not None and not call.finished:
-            cut_seconds.append(call.closed_at - silent_from)
+            cut_seconds.append(call.closed_at - vanished)
         rows.append(
             {"client": d.client, "behaviour": d.behaviour, "rate": d.token_rate,
              "after_vanish": after, "after_first_unacked": after_first_unacked,
              "bound": bound, "generated": call.tokens_generated, "finished": call.finished,
-             "cut_after_s": None if call.closed_at is None
-             else round(call.closed_at - silent_from, 2)}
+             "closed_after_vanish_s": None if call.closed_at is None
+             else round(call.closed_at - vanished, 2)}
         )  # fmt: skip
     out["silence"] = {
         "client_timeout": CLIENT_TIMEOUT,
@@ -958,6 +958,15 @@ def population_figures(
         and i.id not in faulted
     ]  # fmt: skip
     out["detached_lost"] = {"count": len(lost), "ids": lost[:10]}
+    out["attempts"] = {
+        str(d.client): [
+            {k: v for k, v in dataclasses.asdict(a).items() if k != "body"}
+            | {"calls": [repr(c) for c in mine(d)]}
+            for a in r
+        ]
+        for d, r in pairs
+        if d.behaviour not in ("read", "stall")
+    }
     out["keys_left_claimed"] = stored["claimed"]
     return out
 
@@ -1051,7 +1060,7 @@ def population_summary(fig: dict[str, Any]) -> list[str]:
         f"p50 {s['tokens_after_vanish_p50']} p99 {s['tokens_after_vanish_p99']}; after the "
         f"first unacknowledged byte p50 {s['tokens_after_first_unacked_p50']} "
         f"p99 {s['tokens_after_first_unacked_p99']} ({s['over_bound_p99']}x the bound at p99); "
-        f"cut (calls that did not finish) after p50 {s['cut_seconds_p50']} s "
+        f"cut (calls that did not finish), after the vanish: p50 {s['cut_seconds_p50']} s "
         f"p99 {s['cut_seconds_p99']} s; "
         f"{s['share_of_cancel_billed']} of the cancel route's billed tokens",
         f"flaps: {f['read_to_end']} of {f['clients']} read to the end "
