@@ -4,8 +4,8 @@ network namespaces of their own, against uvicorn replicas sharing one store.
 ``examples/gateway.py`` runs under uvicorn in subprocesses (two replicas on a PostgreSQL
 schema of the soak's own, or ``--backend sqlite`` with one replica), changed in two places
 only: its store's URL comes from the environment, and it forwards FakeProvider's
-``x-fake-tokens``, ``x-fake-rate`` and ``x-fake-first-token-delay`` headers beside the
-caller's. FakeProvider runs in this process. The clients live in groups of
+``x-fake-tokens``, ``x-fake-rate``, ``x-fake-first-token-delay`` and ``x-fake-fault``
+headers beside the caller's. FakeProvider runs in this process. The clients live in groups of
 ``--group-size``, each group a network namespace joined to the machine by a veth pair, about
 half of them shaped with tbf to a rate between 64 kbit/s and 5 Mbit/s (what the gateway
 sends them), the rest at full speed.
@@ -15,10 +15,19 @@ Each client draws (from ``--seed``; one JSON line each to ``--log``): a replica,
 (20-80 tokens) or a long report (300-900), a token rate, and a behaviour: ``read`` (to the
 end), ``hangup-before`` (FIN once the response head arrived, before the first token),
 ``hangup-after`` (FIN after some tokens), ``stall`` (stops reading for 3-8 s, then reads
-to the end) or ``retry`` (FIN after some tokens, then the same request with the same
-Idempotency-Key, read to the end). Every request carries an Idempotency-Key and the client's
-tag in the body's ``user``, so the provider's own records say which client each upstream
-call served.
+to the end), ``retry`` (FIN after some tokens, then the same request with the same
+Idempotency-Key, read to the end), ``vanish`` (after some tokens it answers nothing: no FIN,
+no RST), ``vanish-first`` (the same during a first token slower than the gateway's
+``client_timeout``), ``vanish-retry`` (a vanish, then the same key on a new connection),
+``flap`` (the link drops for 1-5 s, then the client reads on), ``resume`` (detach route: FIN
+or vanish, then ``GET /generations/{id}/stream`` with ``Last-Event-ID`` or ``?offset=`` on a
+drawn replica, read to the end), ``fault-error`` / ``fault-reset`` (the provider's error
+frame or a TCP reset mid-stream) or ``refusal`` (the provider's 429; the client waits
+Retry-After and sends the same key again). Each client has an address of its own in its
+group's namespace; a vanish or a flap is a blackhole route for it on the machine's side
+(with strict reverse-path filtering, so it is silent both ways), removed when it ends.
+Every request carries an Idempotency-Key and the client's tag in the body's ``user``, so the
+provider's own records say which client each upstream call served.
 
 The figures come from the provider's counts (tokens generated per call), the clients'
 receipts (tokens in whole events read from the socket) and the store's usage table, never
@@ -30,7 +39,14 @@ from the package's records alone:
   tokens against the client's receipt;
 - detached generations started against completed (the store's generations, and the
   provider's calls that finished after their client left);
-- upstream runs per Idempotency-Key, and whether two ever overlapped.
+- upstream runs per Idempotency-Key, and whether two ever overlapped; second runs by kind
+  (after a cancelled, a faulted or a completed first run);
+- tokens generated after a cancel-route client vanished (from the provider's pacing) against
+  ``client_timeout`` x rate + one second's worth, and their share of the billed tokens;
+- flaps read to the end; resumed bodies, stitched to the client's prefix, against the
+  store's; each fault's answer (an error frame or status, never a silent truncation).
+
+``violations()`` lists the targets that failed; ``--strict`` exits 1 if any did.
 
     python -m benchmarks.soak --clients 60 --duration 40 --seed 1 --json soak.json
 
