@@ -77,6 +77,8 @@ class Group:
         self.host_ip = f"{PREFIX}.{index}.1"
         self.client_ip = f"{PREFIX}.{index}.2"
         self.made = False
+        self.addresses: set[str] = set()
+        self.blackholed: set[str] = set()
 
     @property
     def link(self) -> str:
@@ -91,6 +93,9 @@ class Group:
         )  # fmt: skip
         _run("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
         _run("ip", "link", "set", self.host_if, "up")
+        # Strict reverse-path filtering: a blackholed client's own packets are dropped too,
+        # so a vanished client is silent both ways (its kernel's retransmissions included).
+        _run("sysctl", "-qw", f"net.ipv4.conf.{self.host_if}.rp_filter=1")
         ns = ("ip", "-n", self.namespace)
         _run(*ns, "link", "set", "lo", "up")
         _run(*ns, "addr", "add", f"{self.client_ip}/24", "dev", self.client_if)
@@ -104,7 +109,30 @@ class Group:
                 "rate", f"{self.rate_kbit}kbit", "burst", "3000", "latency", "10s",
             )  # fmt: skip
 
+    def client_address(self, n: int) -> str:
+        """The n-th client's own address in this namespace (a /32 beside the group's)."""
+        return f"{PREFIX}.{self.index}.{10 + n}"
+
+    def add_address(self, address: str) -> None:
+        if address not in self.addresses:
+            _run("ip", "-n", self.namespace, "addr", "add", f"{address}/32", "dev", self.client_if)
+            self.addresses.add(address)
+
+    def blackhole(self, address: str) -> None:
+        """The machine drops what it sends to ``address``, and (rp_filter) what comes from it:
+        that client answers nothing."""
+        _run("ip", "route", "add", "blackhole", f"{address}/32")
+        self.blackholed.add(address)
+
+    def restore(self, address: str) -> None:
+        if address in self.blackholed:
+            self.blackholed.discard(address)
+            with contextlib.suppress(subprocess.CalledProcessError, OSError):
+                _run("ip", "route", "del", "blackhole", f"{address}/32")
+
     def destroy(self) -> None:
+        for address in list(self.blackholed):  # in the machine's namespace: not deleted with it
+            self.restore(address)
         if self.made:
             with contextlib.suppress(subprocess.CalledProcessError, OSError):
                 _run("ip", "netns", "del", self.namespace)
@@ -113,9 +141,12 @@ class Group:
         with contextlib.suppress(subprocess.CalledProcessError, OSError):
             _run("ip", "link", "del", self.host_if)
 
-    def socket(self) -> socket.socket:
-        """A TCP socket of this client host (not connected yet, non-blocking)."""
+    def socket(self, address: str | None = None) -> socket.socket:
+        """A TCP socket of this client host (not connected yet, non-blocking), bound to
+        ``address`` (one of `add_address`'s) if given."""
         with inside(self.namespace):
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if address is not None:
+            sock.bind((address, 0))
         sock.setblocking(False)
         return sock

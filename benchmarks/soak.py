@@ -4,8 +4,8 @@ network namespaces of their own, against uvicorn replicas sharing one store.
 ``examples/gateway.py`` runs under uvicorn in subprocesses (two replicas on a PostgreSQL
 schema of the soak's own, or ``--backend sqlite`` with one replica), changed in two places
 only: its store's URL comes from the environment, and it forwards FakeProvider's
-``x-fake-tokens``, ``x-fake-rate`` and ``x-fake-first-token-delay`` headers beside the
-caller's. FakeProvider runs in this process. The clients live in groups of
+``x-fake-tokens``, ``x-fake-rate``, ``x-fake-first-token-delay`` and ``x-fake-fault``
+headers beside the caller's. FakeProvider runs in this process. The clients live in groups of
 ``--group-size``, each group a network namespace joined to the machine by a veth pair, about
 half of them shaped with tbf to a rate between 64 kbit/s and 5 Mbit/s (what the gateway
 sends them), the rest at full speed.
@@ -15,10 +15,19 @@ Each client draws (from ``--seed``; one JSON line each to ``--log``): a replica,
 (20-80 tokens) or a long report (300-900), a token rate, and a behaviour: ``read`` (to the
 end), ``hangup-before`` (FIN once the response head arrived, before the first token),
 ``hangup-after`` (FIN after some tokens), ``stall`` (stops reading for 3-8 s, then reads
-to the end) or ``retry`` (FIN after some tokens, then the same request with the same
-Idempotency-Key, read to the end). Every request carries an Idempotency-Key and the client's
-tag in the body's ``user``, so the provider's own records say which client each upstream
-call served.
+to the end), ``retry`` (FIN after some tokens, then the same request with the same
+Idempotency-Key, read to the end), ``vanish`` (after some tokens it answers nothing: no FIN,
+no RST), ``vanish-first`` (the same during a first token slower than the gateway's
+``client_timeout``), ``vanish-retry`` (a vanish, then the same key on a new connection),
+``flap`` (the link drops for 1-5 s, then the client reads on), ``resume`` (detach route: FIN
+or vanish, then ``GET /generations/{id}/stream`` with ``Last-Event-ID`` or ``?offset=`` on a
+drawn replica, read to the end), ``fault-error`` / ``fault-reset`` (the provider's error
+frame or a TCP reset mid-stream) or ``refusal`` (the provider's 429; the client waits
+Retry-After and sends the same key again). Each client has an address of its own in its
+group's namespace; a vanish or a flap is a blackhole route for it on the machine's side
+(with strict reverse-path filtering, so it is silent both ways), removed when it ends.
+Every request carries an Idempotency-Key and the client's tag in the body's ``user``, so the
+provider's own records say which client each upstream call served.
 
 The figures come from the provider's counts (tokens generated per call), the clients'
 receipts (tokens in whole events read from the socket) and the store's usage table, never
@@ -30,7 +39,14 @@ from the package's records alone:
   tokens against the client's receipt;
 - detached generations started against completed (the store's generations, and the
   provider's calls that finished after their client left);
-- upstream runs per Idempotency-Key, and whether two ever overlapped.
+- upstream runs per Idempotency-Key, and whether two ever overlapped; second runs by kind
+  (after a cancelled, a faulted or a completed first run);
+- tokens generated after a cancel-route client vanished (from the provider's pacing) against
+  ``client_timeout`` x rate + one second's worth, and their share of the billed tokens;
+- flaps read to the end; resumed bodies, stitched to the client's prefix, against the
+  store's; each fault's answer (an error frame or status, never a silent truncation).
+
+``violations()`` lists the targets that failed; ``--strict`` exits 1 if any did.
 
     python -m benchmarks.soak --clients 60 --duration 40 --seed 1 --json soak.json
 
@@ -55,6 +71,7 @@ import random
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -71,9 +88,19 @@ from ._uvicorn import ROOT
 GATEWAY = Path(ROOT) / "examples" / "gateway.py"
 STORE_LINE = 'connect("sqlite:///generations.db")'
 FORWARD_LINE = '"openai-project")'
-FAKE_HEADERS = ("x-fake-tokens", "x-fake-rate", "x-fake-first-token-delay")
-BEHAVIOURS = ("read", "hangup-before", "hangup-after", "stall", "retry")
-WEIGHTS = (0.4, 0.12, 0.18, 0.15, 0.15)
+FAKE_HEADERS = ("x-fake-tokens", "x-fake-rate", "x-fake-first-token-delay", "x-fake-fault")
+BEHAVIOURS = (
+    "read", "hangup-before", "hangup-after", "stall", "retry",
+    "vanish", "vanish-first", "flap", "vanish-retry", "resume",
+    "fault-error", "fault-reset", "refusal",
+)  # fmt: skip
+WEIGHTS = (0.2, 0.06, 0.09, 0.08, 0.08, 0.08, 0.05, 0.08, 0.06, 0.1, 0.04, 0.04, 0.04)
+VANISHES = ("vanish", "vanish-first", "vanish-retry")
+FAULTS = ("fault-error", "fault-reset", "refusal")
+# DisconnectMiddleware's client_timeout, its default, which the gateway keeps: a client whose
+# TCP acknowledged nothing it was sent for that long is cut.
+CLIENT_TIMEOUT = 10.0
+ID_LINE = re.compile(rb"id: \d+\n(?=\r?\n)")
 TOKEN = re.compile(rb'"content": ?"tok\d+ ')
 SETTLE = 20.0
 
@@ -107,6 +134,15 @@ class Draw:
     stall_seconds: float | None
     retry_wait: float | None
     key: str
+    address: str = ""
+    vanish_after_tokens: int | None = None  # 0: right after the request was sent
+    vanish_seconds: float | None = None
+    flap_after_tokens: int | None = None
+    flap_seconds: float | None = None
+    fault: str | None = None
+    resume_cut: str | None = None  # "hangup" or "vanish"
+    resume_form: str | None = None  # "last-event-id" or "offset"
+    resume_replica: int | None = None
 
     @property
     def path(self) -> str:
@@ -138,7 +174,17 @@ def draw_population(args: argparse.Namespace) -> tuple[list[int | None], list[Dr
         tokens = rng.randint(300, 900) if long else rng.randint(20, 80)
         tokens = max(10, min(tokens, int(token_rate * window)))
         behaviour = rng.choices(BEHAVIOURS, WEIGHTS)[0]
+        if behaviour == "resume":
+            route = "report"  # resuming by id is the detach route's
         cut = rng.randint(1, max(1, tokens // 2))
+        extra = extra_draws(rng, args, behaviour, tokens, cut)
+        first_token_delay = 0.0
+        if behaviour == "hangup-before":
+            first_token_delay = round(rng.uniform(1.0, 3.0), 2)
+        elif behaviour == "vanish-first":  # silent for longer than the gateway waits for acks
+            first_token_delay = round(CLIENT_TIMEOUT + rng.uniform(2.0, 6.0), 2)
+            # Silent until the first token, then unacknowledged for the client_timeout.
+            extra["vanish_seconds"] = round(first_token_delay + CLIENT_TIMEOUT + 5.0, 2)
         draws.append(
             Draw(
                 client=client,
@@ -152,17 +198,46 @@ def draw_population(args: argparse.Namespace) -> tuple[list[int | None], list[Dr
                 token_rate=token_rate,
                 behaviour=behaviour,
                 start=round(rng.uniform(0, args.duration * 0.5), 3),
-                first_token_delay=round(rng.uniform(1.0, 3.0), 2)
-                if behaviour == "hangup-before"
-                else 0.0,
-                hangup_after_tokens=cut if behaviour in ("hangup-after", "retry") else None,
+                first_token_delay=first_token_delay,
+                hangup_after_tokens=cut
+                if behaviour in ("hangup-after", "retry") or extra.get("resume_cut") == "hangup"
+                else None,
                 stall_after_tokens=cut if behaviour == "stall" else None,
                 stall_seconds=round(rng.uniform(3, 8), 2) if behaviour == "stall" else None,
                 retry_wait=round(rng.uniform(0.3, 2.0), 2) if behaviour == "retry" else None,
                 key=f"soak-{args.seed}-{client}-{rng.getrandbits(32):08x}",
+                address=f"{_soak_net.PREFIX}.{group}.{10 + client // groups}",
+                **extra,
             )
         )
     return rates, draws
+
+
+def extra_draws(
+    rng: random.Random, args: argparse.Namespace, behaviour: str, tokens: int, cut: int
+) -> dict[str, Any]:
+    """The draws of the vanishing, flapping, resuming and faulted populations."""
+    out: dict[str, Any] = {}
+    if behaviour in VANISHES:
+        out["vanish_after_tokens"] = 0 if behaviour == "vanish-first" else cut
+        out["vanish_seconds"] = round(CLIENT_TIMEOUT + rng.uniform(4.0, 6.0), 2)
+    elif behaviour == "flap":
+        out["flap_after_tokens"] = cut
+        out["flap_seconds"] = round(rng.uniform(1.0, 5.0), 2)
+    elif behaviour == "resume":
+        out["resume_cut"] = rng.choice(("hangup", "vanish"))
+        out["resume_form"] = rng.choice(("last-event-id", "offset"))
+        out["resume_replica"] = rng.randrange(args.replicas)
+        if out["resume_cut"] == "vanish":
+            out["vanish_after_tokens"] = cut
+            out["vanish_seconds"] = round(CLIENT_TIMEOUT + rng.uniform(4.0, 6.0), 2)
+    elif behaviour == "fault-error":
+        out["fault"] = f"error-after={cut}"
+    elif behaviour == "fault-reset":
+        out["fault"] = f"reset-after={cut}"
+    elif behaviour == "refusal":
+        out["fault"] = "status=429"
+    return out
 
 
 @dataclasses.dataclass
@@ -177,6 +252,10 @@ class Attempt:
     cut_at_deadline: bool = False
     error: str | None = None
     retry_after: float | None = None
+    vanished_at: float | None = None
+    resumed_from: int | None = None
+    sse_ids: bool = False
+    body: bytes = dataclasses.field(default=b"", repr=False)
 
 
 def _count_tokens(body: bytes) -> int:
@@ -193,11 +272,16 @@ async def attempt(
     before_first: bool,
     stall: tuple[int, float] | None,
     deadline: float,
+    vanish: tuple[int, float] | None = None,
+    flap: tuple[int, float] | None = None,
+    fault: str | None = None,
+    request_head: str | None = None,
 ) -> Attempt:
-    """One HTTP/1.1 request from ``group``'s host, read as ``draw`` says."""
+    """One HTTP/1.1 request from ``draw``'s own address, read as ``draw`` says (the POST,
+    or ``request_head`` as given)."""
     loop = asyncio.get_running_loop()
     result = Attempt()
-    sock = group.socket()
+    sock = group.socket(draw.address)
     body = json.dumps(
         {
             "model": "fake-model",
@@ -218,7 +302,12 @@ async def attempt(
     }
     if draw.first_token_delay:
         head["x-fake-first-token-delay"] = str(draw.first_token_delay)
+    if fault is not None:
+        head["x-fake-fault"] = fault
     request = f"POST {draw.path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    payload = request.encode() + b"\r\n" + body
+    if request_head is not None:
+        payload = request_head.encode() + b"\r\n"
     buffer = b""
     decoded = bytearray()
     dechunk = _ChunkedDecoder()
@@ -241,6 +330,8 @@ async def attempt(
                 result.retry_after = float(headers["retry-after"])
             if "content-length" in headers:
                 length = int(headers["content-length"])
+            if result.status in (204, 304):
+                length = 0
         if length is not None:
             decoded.extend(data)
             result.complete = len(decoded) >= length
@@ -248,7 +339,8 @@ async def attempt(
             decoded.extend(dechunk.feed(data))
             result.complete = dechunk.done
         result.bytes = len(decoded)
-        result.tokens = _count_tokens(bytes(decoded))
+        result.body = bytes(decoded)
+        result.tokens = _count_tokens(result.body)
 
     def drain() -> None:
         with contextlib.suppress(OSError):
@@ -262,15 +354,38 @@ async def attempt(
             sock.shutdown(socket.SHUT_WR)  # the FIN
         sock.close()
 
+    async def go_silent() -> None:
+        """Stop answering: no FIN, no RST; the machine drops what the gateway sends."""
+        await asyncio.to_thread(group.blackhole, draw.address)
+        result.vanished_at = time.monotonic()
+        assert vanish is not None
+        await asyncio.sleep(max(0.0, min(vanish[1], deadline - time.monotonic() - 0.5)))
+
+    async def flap_link(seconds: float) -> None:
+        await asyncio.to_thread(group.blackhole, draw.address)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            await asyncio.to_thread(group.restore, draw.address)
+
+    flapping: asyncio.Task[None] | None = None
     try:
         async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
             await loop.sock_connect(sock, address)
-            await loop.sock_sendall(sock, request.encode() + b"\r\n" + body)
+            await loop.sock_sendall(sock, payload)
+            if vanish is not None and vanish[0] == 0:
+                await go_silent()
+                return result
             while not result.complete:
                 data = await loop.sock_recv(sock, 65536)
                 if not data:
                     break
                 feed(data)
+                if vanish is not None and result.status and result.tokens >= vanish[0]:
+                    await go_silent()
+                    return result
+                if flap is not None and flapping is None and result.tokens >= flap[0]:
+                    flapping = asyncio.create_task(flap_link(flap[1]))
                 if before_first and result.status and result.tokens == 0:
                     hang_up()
                     return result
@@ -282,10 +397,21 @@ async def attempt(
                     await asyncio.sleep(stall[1])
     except TimeoutError:
         result.cut_at_deadline = True
-        hang_up()
-        return result
+        if result.vanished_at is None:
+            hang_up()
+            return result
     except OSError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if flapping is not None:
+            flapping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flapping
+        if result.vanished_at is not None:
+            # Gone for good: no FIN on the way out either (the gateway cut it by now).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+            await asyncio.to_thread(group.restore, draw.address)
     sock.close()
     return result
 
@@ -297,8 +423,15 @@ async def client(
     started: float,
     deadline: float,
 ) -> list[Attempt]:
+    await asyncio.to_thread(group.add_address, draw.address)
     await asyncio.sleep(max(0.0, started + draw.start - time.monotonic()))
     address = (_soak_net.PREFIX + ".0.1", ports[draw.replica])
+    vanish = None
+    if draw.vanish_after_tokens is not None:
+        vanish = (draw.vanish_after_tokens, draw.vanish_seconds or CLIENT_TIMEOUT)
+    flap = None
+    if draw.flap_after_tokens is not None:
+        flap = (draw.flap_after_tokens, draw.flap_seconds or 1.0)
     attempts = [
         await attempt(
             group,
@@ -310,9 +443,21 @@ async def client(
             if draw.behaviour == "stall"
             else None,
             deadline=deadline,
+            vanish=vanish,
+            flap=flap,
+            fault=draw.fault,
         )
     ]
-    if draw.behaviour != "retry" or attempts[0].cut_at_deadline:
+    if attempts[0].cut_at_deadline:
+        return attempts
+    if draw.behaviour == "resume":
+        if attempts[0].generation_id and attempts[0].status == 200:
+            await asyncio.sleep(draw.retry_wait or 0.5)
+            attempts.append(await resume(draw, group, ports, attempts[0], deadline))
+        return attempts
+    if draw.behaviour == "refusal" and attempts[0].status == 429:
+        await asyncio.sleep(min(5.0, attempts[0].retry_after or 1.0))
+    elif draw.behaviour not in ("retry", "vanish-retry"):
         return attempts
     await asyncio.sleep(draw.retry_wait or 0.0)
     for _ in range(20):  # the same request, the same key, to the end; 409: try again
@@ -322,10 +467,46 @@ async def client(
             group, address, draw, hang_up_at=None, before_first=False, stall=None, deadline=deadline
         )
         attempts.append(again)
-        if again.status != 409:
+        if again.status not in (409, 429):
             break
         await asyncio.sleep(min(5.0, again.retry_after or 1.0))
     return attempts
+
+
+async def resume(
+    draw: Draw, group: _soak_net.Group, ports: list[int], first: Attempt, deadline: float
+) -> Attempt:
+    """Reload the page: ``GET /generations/{id}/stream`` from where the client's copy ends,
+    on the drawn replica, as the same caller; read to the end."""
+    replica = draw.resume_replica or 0
+    address = (_soak_net.PREFIX + ".0.1", ports[replica])
+    head = {
+        "host": f"{address[0]}:{address[1]}",
+        "authorization": f"Bearer soak-{draw.client % 7}",
+    }
+    path = f"/generations/{first.generation_id}/stream"
+    if draw.resume_form == "last-event-id":
+        offset = first.body.rfind(b"\n\n") + 2 if b"\n\n" in first.body else 0
+        head["accept"] = "text/event-stream"
+        head["last-event-id"] = str(offset)
+    else:
+        offset = len(first.body)
+        path += f"?offset={offset}"
+    request = f"GET {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    result = await attempt(
+        group, address, draw, hang_up_at=None, before_first=False, stall=None,
+        deadline=deadline, request_head=request,
+    )  # fmt: skip
+    result.resumed_from = offset
+    result.sse_ids = draw.resume_form == "last-event-id"
+    return result
+
+
+def stitched(first: Attempt, resumed: Attempt) -> bytes:
+    """The body a resuming client ends up with: its prefix, then what the resume sent (less
+    the ``id:`` lines an SSE resume adds to each event)."""
+    rest = ID_LINE.sub(b"", resumed.body) if resumed.sse_ids else resumed.body
+    return first.body[: resumed.resumed_from or 0] + rest
 
 
 def start_gateways(
@@ -403,17 +584,32 @@ async def read_store(store: str, generation_ids: list[str], schema: str | None) 
         usage = {g: await backend.usage_of(g) for g in generation_ids}
         infos = await backend.store.recent(1_000_000, None)  # type: ignore[attr-defined]
         rows: dict[str, int] = {}
+        bodies = {
+            i.id: await backend.read_all(i.id, i.size) for i in infos if i.id in generation_ids
+        }  # type: ignore[attr-defined]
+        claimed = 0
         if schema is not None:
+            claimed = await backend.store.pool.fetchval(  # type: ignore[attr-defined]
+                f"select count(*) from \"{schema}\".asgi_disconnect_claims where status = 'running'"
+            )
             fetched = await backend.store.pool.fetch(  # type: ignore[attr-defined]
                 f'select generation_id, count(*) from "{schema}".asgi_disconnect_usage group by 1'
             )
             rows = {r[0]: int(r[1]) for r in fetched}
         else:
+            import sqlite3
+
+            with contextlib.closing(sqlite3.connect(store.removeprefix("sqlite:///"))) as db:
+                claimed = db.execute(
+                    "select count(*) from asgi_disconnect_claims where status = 'running'"
+                ).fetchone()[0]
             for info in infos:
                 rows[info.id] = len(await backend.usage_of(info.id))
     finally:
         await backend.aclose()
-    return {"usage": usage, "infos": infos, "rows": rows}
+    return {
+        "usage": usage, "infos": infos, "rows": rows, "bodies": bodies, "claimed": int(claimed),
+    }  # fmt: skip
 
 
 def ratio(billed: int, delivered: int) -> float | None:
@@ -575,12 +771,244 @@ def figures(
             )
         ),
     }
+    out.update(population_figures(draws, results, calls, stored))
     out["clients"] = {
         "errors": sum(1 for r in results for a in r if a.error),
         "cut_at_deadline": sum(1 for r in results for a in r if a.cut_at_deadline),
         "statuses": dict(collections.Counter(str(a.status) for r in results for a in r)),
         "upstream_calls_open_after_settle": open_calls,
     }
+    return out
+
+
+def tokens_by(call: Any, draw: Draw, when: float) -> int:
+    """Tokens the provider had generated for ``call`` by ``when``, from its pacing: the first
+    after the drawn delay, then one every 1/rate s (it keeps no per-token times)."""
+    first = call.started_at + draw.first_token_delay
+    if when < first:
+        return 0
+    return min(call.tokens_generated, int((when - first) * draw.token_rate) + 1)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+
+def population_figures(
+    draws: list[Draw], results: list[list[Attempt]], calls: dict[str, list[Any]],
+    stored: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """Vanishes, flaps, resumes, faults and second runs per key."""
+    out: dict[str, Any] = {}
+    pairs = list(zip(draws, results, strict=True))
+
+    def mine(d: Draw) -> list[Any]:
+        return sorted(calls[f"soak-{d.client}"], key=lambda c: c.started_at)
+
+    # Silence: tokens generated after the client stopped acknowledging (cancel route).
+    after_vanish: list[float] = []
+    after_silent: list[float] = []
+    over_bound: list[float] = []
+    cut_seconds: list[float] = []
+    silence_cost = 0
+    cancel_billed = 0
+    rows = []
+    for d, r in pairs:
+        if d.policy == "cancel":
+            cancel_billed += sum(c.tokens_generated for c in calls[f"soak-{d.client}"])
+        if d.policy != "cancel" or r[0].vanished_at is None or not mine(d):
+            continue
+        call = mine(d)[0]
+        vanished = r[0].vanished_at
+        silent_from = max(vanished, call.started_at + d.first_token_delay)
+        after = call.tokens_generated - tokens_by(call, d, vanished)
+        after_first_unacked = call.tokens_generated - tokens_by(call, d, silent_from)
+        bound = CLIENT_TIMEOUT * d.token_rate + d.token_rate
+        after_vanish.append(after)
+        after_silent.append(after_first_unacked)
+        over_bound.append(after_first_unacked / bound)
+        silence_cost += after
+        if call.closed_at is not None and not call.finished:
+            cut_seconds.append(call.closed_at - vanished)
+        rows.append(
+            {"client": d.client, "behaviour": d.behaviour, "rate": d.token_rate,
+             "after_vanish": after, "after_first_unacked": after_first_unacked,
+             "bound": bound, "generated": call.tokens_generated, "finished": call.finished,
+             "closed_after_vanish_s": None if call.closed_at is None
+             else round(call.closed_at - vanished, 2)}
+        )  # fmt: skip
+    out["silence"] = {
+        "client_timeout": CLIENT_TIMEOUT,
+        "cancel_route_vanishes": len(rows),
+        "finished_before_the_cut": sum(1 for x in rows if x["finished"]),
+        "tokens_after_vanish_p50": percentile(after_vanish, 0.5),
+        "tokens_after_vanish_p99": percentile(after_vanish, 0.99),
+        "tokens_after_first_unacked_p50": percentile(after_silent, 0.5),
+        "tokens_after_first_unacked_p99": percentile(after_silent, 0.99),
+        "over_bound_p99": percentile(over_bound, 0.99),
+        "cut_seconds_p50": percentile(cut_seconds, 0.5),
+        "cut_seconds_p99": percentile(cut_seconds, 0.99),
+        "share_of_cancel_billed": round(silence_cost / cancel_billed, 4) if cancel_billed else None,
+        "worst": sorted(rows, key=lambda x: -x["after_first_unacked"] / x["bound"])[:5],
+    }
+
+    # Flaps: the link comes back and the client reads on to the end.
+    flaps = [(d, r) for d, r in pairs if d.behaviour == "flap"]
+    out["flaps"] = {
+        "clients": len(flaps),
+        "read_to_end": sum(1 for _, r in flaps if r[0].complete),
+        "cut_at_deadline": sum(1 for _, r in flaps if r[0].cut_at_deadline),
+        "not_complete": [
+            {"client": d.client, "route": d.route, "seconds": d.flap_seconds,
+             "tokens": r[0].tokens, "of": d.tokens, "status": r[0].status}
+            for d, r in flaps if not r[0].complete and not r[0].cut_at_deadline
+        ][:10],
+    }  # fmt: skip
+
+    # Resumes: the prefix the client had, then what the resume sent, against the store.
+    resumes = {"clients": 0, "resumed": 0, "byte_equal": 0, "differ": 0, "statuses": {}}
+    statuses: collections.Counter[str] = collections.Counter()
+    differ = []
+    for d, r in pairs:
+        if d.behaviour != "resume":
+            continue
+        resumes["clients"] += 1
+        if len(r) < 2 or r[0].generation_id is None:
+            continue
+        resumes["resumed"] += 1
+        statuses[f"{d.resume_form}/{d.resume_cut}: {r[1].status}"] += 1
+        stored_body = stored["bodies"].get(r[0].generation_id)
+        if stored_body is not None and stitched(r[0], r[1]) == stored_body:
+            resumes["byte_equal"] += 1
+        else:
+            resumes["differ"] += 1
+            differ.append(
+                {"client": d.client, "generation": r[0].generation_id, "form": d.resume_form,
+                 "cut": d.resume_cut, "replica": d.resume_replica, "offset": r[1].resumed_from,
+                 "status": r[1].status, "prefix_bytes": r[0].bytes, "resumed_bytes": r[1].bytes,
+                 "stitched_bytes": len(stitched(r[0], r[1])),
+                 "stored_bytes": None if stored_body is None else len(stored_body),
+                 "complete": r[1].complete, "error": r[1].error}
+            )  # fmt: skip
+    resumes["statuses"] = dict(statuses)
+    resumes["differences"] = differ[:10]
+    out["resumes"] = resumes
+
+    # Faults and refusals: an error frame or an error status, never a silent truncation.
+    faults: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    truncations = []
+    for d, r in pairs:
+        if d.behaviour not in FAULTS:
+            continue
+        a = r[0]
+        if a.status == 0:
+            answer = "no response"
+        elif a.status >= 400:
+            answer = f"status {a.status}"
+        elif b"event: error" in a.body or b'data: {"error"' in a.body:
+            answer = "error frame"
+        elif b"[DONE]" in a.body:
+            answer = "done"
+        else:
+            answer = "silent truncation"
+            truncations.append(
+                {"client": d.client, "fault": d.fault, "generation": a.generation_id,
+                 "bytes": a.bytes, "complete": a.complete, "tail": a.body[-120:].decode(
+                     "utf-8", "replace")}
+            )  # fmt: skip
+        faults[d.behaviour][answer] += 1
+        if d.behaviour == "refusal" and len(r) > 1:
+            faults[d.behaviour][f"retry {r[-1].status}{' complete' if r[-1].complete else ''}"] += 1
+        for x in r:
+            if x.generation_id and not x.replayed:
+                faults[d.behaviour][f"records {len(stored['usage'].get(x.generation_id, []))}"] += 1
+    out["faults"] = {
+        "answers": {k: dict(v) for k, v in faults.items()},
+        "silent_truncations": truncations[:10],
+        "silent_truncation_count": len(truncations),
+    }
+
+    # Vanish then retry, beside hang-up then retry.
+    out["retry_after_vanish"] = dict(
+        collections.Counter(
+            f"{d.route}: {a.status}{' replayed' if a.replayed else ''}"
+            f"{' complete' if a.complete else ''}"
+            for d, r in pairs if d.behaviour == "vanish-retry" for a in r[1:]
+        )
+    )  # fmt: skip
+
+    # Second upstream runs per key: after a cancelled first run (the cancel route's design),
+    # after a refused or faulted one, or after one that completed or still ran (violations).
+    second: collections.Counter[str] = collections.Counter()
+    bad = []
+    for d, _r in pairs:
+        runs = mine(d)
+        for first, later in itertools.pairwise(runs):
+            if later.started_at < (first.closed_at or math.inf):
+                kind = "overlapping"
+            elif first.finished and not first.fault_applied:
+                kind = "after a completed first run"
+            elif first.fault_applied:
+                kind = "after a faulted or refused first run"
+            elif d.policy == "cancel":
+                kind = "after a cancelled first run"
+            else:
+                kind = "after an unfinished detached first run"
+            second[f"{d.policy}: {kind}"] += 1
+            if kind in ("overlapping", "after a completed first run"):
+                bad.append({"client": d.client, "behaviour": d.behaviour, "kind": kind})
+    out["second_runs"] = {
+        "kinds": dict(second),
+        "violations": bad[:10],
+        "violation_count": len(bad),
+    }
+
+    # Detached generations that did not complete (a fault upstream is not the store's loss).
+    faulted = {a.generation_id for d, r in pairs if d.behaviour in FAULTS for a in r}
+    lost = [
+        i.id for i in stored["infos"]
+        if i.detached and str(getattr(i.status, "value", i.status)) != "complete"
+        and i.id not in faulted
+    ]  # fmt: skip
+    out["detached_lost"] = {"count": len(lost), "ids": lost[:10]}
+    out["attempts"] = {
+        str(d.client): [
+            {k: v for k, v in dataclasses.asdict(a).items() if k != "body"}
+            | {"calls": [repr(c) for c in mine(d)]}
+            for a in r
+        ]
+        for d, r in pairs
+        if d.behaviour not in ("read", "stall")
+    }
+    out["keys_left_claimed"] = stored["claimed"]
+    return out
+
+
+def violations(fig: dict[str, Any]) -> list[str]:
+    """The soak's targets that did not hold (empty: all held)."""
+    out = []
+    u = fig["usage_records"]
+    if set(u["records_per_seen_generation"]) - {1}:
+        out.append(f"usage records per generation: {u['records_per_seen_generation']}, not 1")
+    if u["stored_generations_without_record"]:
+        out.append(f"{u['stored_generations_without_record']} stored generations without a record")
+    if fig["second_runs"]["violation_count"]:
+        out.append(f"{fig['second_runs']['violation_count']} keys ran upstream twice after a "
+                   "completed or overlapping first run")  # fmt: skip
+    if fig["keys_left_claimed"]:
+        out.append(f"{fig['keys_left_claimed']} keys left claimed")
+    if fig["detached_lost"]["count"]:
+        out.append(f"{fig['detached_lost']['count']} detached generations lost")
+    if fig["resumes"]["differ"]:
+        out.append(f"{fig['resumes']['differ']} resumed bodies differ from the stored body")
+    if fig["faults"]["silent_truncation_count"]:
+        out.append(f"{fig['faults']['silent_truncation_count']} faults silently truncated")
+    p99 = fig["silence"]["over_bound_p99"]
+    if p99 is not None and p99 > 1.0:
+        out.append(f"silence p99 at {p99}x the bound (client_timeout x rate + 1 s of tokens)")
     return out
 
 
@@ -634,7 +1062,34 @@ def summary(args: argparse.Namespace, rates: list[int | None], fig: dict[str, An
         f"retry answers {i['retry_statuses']}",
         f"clients: {fig['clients']}",
     ]
+    lines += population_summary(fig)
     return "\n".join(lines)
+
+
+def population_summary(fig: dict[str, Any]) -> list[str]:
+    s, f, r, q = fig["silence"], fig["flaps"], fig["resumes"], fig["second_runs"]
+    problems = violations(fig)
+    return [
+        f"silence (cancel route, client_timeout {s['client_timeout']:g} s): "
+        f"{s['cancel_route_vanishes']} vanishes ({s['finished_before_the_cut']} finished "
+        "upstream before any cut); tokens generated after the vanish "
+        f"p50 {s['tokens_after_vanish_p50']} p99 {s['tokens_after_vanish_p99']}; after the "
+        f"first unacknowledged byte p50 {s['tokens_after_first_unacked_p50']} "
+        f"p99 {s['tokens_after_first_unacked_p99']} ({s['over_bound_p99']}x the bound at p99); "
+        f"cut (calls that did not finish), after the vanish: p50 {s['cut_seconds_p50']} s "
+        f"p99 {s['cut_seconds_p99']} s; "
+        f"{s['share_of_cancel_billed']} of the cancel route's billed tokens",
+        f"flaps: {f['read_to_end']} of {f['clients']} read to the end "
+        f"({f['cut_at_deadline']} cut at the deadline)",
+        f"resumes: {r['resumed']} of {r['clients']} resumed, {r['byte_equal']} byte-equal to "
+        f"the store, {r['differ']} differ; {r['statuses']}",
+        f"retry after a vanish: {fig['retry_after_vanish']}",
+        f"faults: {fig['faults']['answers']}",
+        f"second upstream runs per key: {q['kinds']}",
+        f"detached lost: {fig['detached_lost']['count']}; keys left claimed: "
+        f"{fig['keys_left_claimed']}",
+        "targets: " + ("all held" if not problems else "NOT HELD: " + "; ".join(problems)),
+    ]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -659,6 +1114,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="one JSON line per draw (default: in the temporary directory)",
     )
     parser.add_argument("--json", help="write every figure here")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 if a target (see violations()) failed"
+    )
     args = parser.parse_args(argv)
     args.replicas = 2 if args.backend == "postgres" else 1
     if math.ceil(args.clients / args.group_size) > 250:
@@ -731,7 +1189,7 @@ def main(argv: list[str] | None = None) -> int:
             fig["args"] = {k: v for k, v in vars(args).items()}
             fig["group_rates_kbit"] = rates
             Path(args.json).write_text(json.dumps(fig, indent=2, default=str))
-        return 0
+        return 1 if args.strict and violations(fig) else 0
     finally:
         stop_gateways(procs)
         for log in logs:

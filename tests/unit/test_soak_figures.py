@@ -1,0 +1,84 @@
+"""The soak's targets, from figures made by hand: what a failed target looks like in
+``violations()``, which ``--strict`` turns into a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from types import SimpleNamespace
+from typing import Any
+
+from benchmarks import soak
+
+DONE = b"data: [DONE]\n\n"
+
+
+def population() -> list[soak.Draw]:
+    args = argparse.Namespace(seed=3, clients=40, group_size=5, duration=60.0, replicas=2)
+    return soak.draw_population(args)[1]
+
+
+def call(started: float, closed: float, *, finished: bool, tokens: int = 10) -> SimpleNamespace:
+    return SimpleNamespace(
+        started_at=started, closed_at=closed, finished=finished, fault_applied=False,
+        tokens_generated=tokens,
+    )  # fmt: skip
+
+
+def figures(draws: list[soak.Draw], results: list[list[soak.Attempt]], calls: Any) -> Any:
+    stored = {"usage": {}, "infos": [], "rows": {}, "bodies": {}, "claimed": 0}
+    return soak.population_figures(draws, results, calls, stored)
+
+
+def with_usage(fig: dict[str, Any]) -> dict[str, Any]:
+    usage = {"records_per_seen_generation": {1: 3}, "stored_generations_without_record": 0}
+    return {**fig, "usage_records": usage}
+
+
+def test_a_second_run_after_a_completed_first_run_is_a_violation() -> None:
+    draws = population()
+    results = [[soak.Attempt(status=200, body=DONE)] for _ in draws]
+    calls: collections.defaultdict[str, list[Any]] = collections.defaultdict(list)
+    chat = next(d for d in draws if d.policy == "cancel")
+    calls[f"soak-{chat.client}"] = [call(0, 1, finished=True), call(2, 3, finished=True)]
+    fig = with_usage(figures(draws, results, calls))
+    assert fig["second_runs"]["kinds"] == {"cancel: after a completed first run": 1}
+    assert any("ran upstream twice" in v for v in soak.violations(fig))
+
+
+def test_a_second_run_after_a_cancelled_first_run_is_reported_not_a_violation() -> None:
+    draws = population()
+    results = [[soak.Attempt(status=200, body=DONE)] for _ in draws]
+    calls: collections.defaultdict[str, list[Any]] = collections.defaultdict(list)
+    chat = next(d for d in draws if d.policy == "cancel")
+    calls[f"soak-{chat.client}"] = [call(0, 1, finished=False), call(2, 3, finished=True)]
+    fig = with_usage(figures(draws, results, calls))
+    assert fig["second_runs"]["kinds"] == {"cancel: after a cancelled first run": 1}
+    assert soak.violations(fig) == []
+
+
+def test_an_sse_resume_stitches_to_the_prefix_without_its_ids() -> None:
+    stored = b"data: a\n\ndata: b\n\ndata: [DONE]\n\n"
+    first = soak.Attempt(status=200, body=stored[:13])  # a torn second event
+    resumed = soak.Attempt(
+        status=200, body=b"data: b\nid: 18\n\ndata: [DONE]\nid: 32\n\n", resumed_from=9,
+        sse_ids=True,
+    )  # fmt: skip
+    assert soak.stitched(first, resumed) == stored
+
+
+def test_a_stitched_body_that_differs_from_the_store_is_a_violation() -> None:
+    draws = population()
+    resume = next(d for d in draws if d.behaviour == "resume")
+    results = [[soak.Attempt(status=200, body=DONE)] for _ in draws]
+    results[resume.client] = [
+        soak.Attempt(status=200, generation_id="gen_1", body=b"data: a\n\n"),
+        soak.Attempt(status=200, body=b"data: x\n\n", resumed_from=9),
+    ]
+    fig = soak.population_figures(
+        draws, results, collections.defaultdict(list),
+        {"usage": {}, "infos": [], "rows": {}, "bodies": {"gen_1": b"data: a\n\ndata: b\n\n"},
+         "claimed": 0},
+    )  # fmt: skip
+    assert fig["resumes"]["differ"] == 1
+    assert any("resumed bodies differ" in v for v in soak.violations(with_usage(fig)))
