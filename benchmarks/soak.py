@@ -19,7 +19,9 @@ to the end), ``retry`` (FIN after some tokens, then the same request with the sa
 Idempotency-Key, read to the end), ``vanish`` (after some tokens it answers nothing: no FIN,
 no RST), ``vanish-first`` (the same during a first token slower than the gateway's
 ``client_timeout``), ``vanish-retry`` (a vanish, then the same key on a new connection),
-``flap`` (the link drops for 1-5 s, then the client reads on), ``resume`` (detach route: FIN
+``flap`` (the link drops for 1-5 s, then the client reads on), ``think-flap`` (a first
+token slower than ``client_timeout``, as a reasoning model's, arriving as the link drops for
+1-3 s: a live client the gateway must not cut), ``resume`` (detach route: FIN
 or vanish, then ``GET /generations/{id}/stream`` with ``Last-Event-ID`` or ``?offset=`` on a
 drawn replica, read to the end), ``fault-error`` / ``fault-reset`` (the provider's error
 frame or a TCP reset mid-stream) or ``refusal`` (the provider's 429; the client waits
@@ -92,9 +94,10 @@ FAKE_HEADERS = ("x-fake-tokens", "x-fake-rate", "x-fake-first-token-delay", "x-f
 BEHAVIOURS = (
     "read", "hangup-before", "hangup-after", "stall", "retry",
     "vanish", "vanish-first", "flap", "vanish-retry", "resume",
-    "fault-error", "fault-reset", "refusal",
+    "fault-error", "fault-reset", "refusal", "think-flap",
 )  # fmt: skip
-WEIGHTS = (0.2, 0.06, 0.09, 0.08, 0.08, 0.08, 0.05, 0.08, 0.06, 0.1, 0.04, 0.04, 0.04)
+WEIGHTS = (0.2, 0.06, 0.09, 0.08, 0.08, 0.08, 0.05, 0.08, 0.06, 0.1, 0.04, 0.04, 0.04, 0.05)
+FLAPS = ("flap", "think-flap")
 VANISHES = ("vanish", "vanish-first", "vanish-retry")
 FAULTS = ("fault-error", "fault-reset", "refusal")
 # DisconnectMiddleware's client_timeout, its default, which the gateway keeps: a client whose
@@ -139,6 +142,7 @@ class Draw:
     vanish_seconds: float | None = None
     flap_after_tokens: int | None = None
     flap_seconds: float | None = None
+    flap_at_seconds: float | None = None
     fault: str | None = None
     resume_cut: str | None = None  # "hangup" or "vanish"
     resume_form: str | None = None  # "last-event-id" or "offset"
@@ -185,6 +189,12 @@ def draw_population(args: argparse.Namespace) -> tuple[list[int | None], list[Dr
             first_token_delay = round(CLIENT_TIMEOUT + rng.uniform(2.0, 6.0), 2)
             # Silent until the first token, then unacknowledged for the client_timeout.
             extra["vanish_seconds"] = round(first_token_delay + CLIENT_TIMEOUT + 5.0, 2)
+        elif behaviour == "think-flap":
+            # A reasoning model's first token, slower than client_timeout, arrives as the
+            # phone's link drops for 1-3 s: a live client, never to be cut.
+            first_token_delay = round(CLIENT_TIMEOUT + rng.uniform(1.0, 5.0), 2)
+            extra["flap_at_seconds"] = round(first_token_delay - 0.3, 2)
+            extra["flap_seconds"] = round(rng.uniform(1.0, 3.0), 2)
         draws.append(
             Draw(
                 client=client,
@@ -274,6 +284,7 @@ async def attempt(
     deadline: float,
     vanish: tuple[int, float] | None = None,
     flap: tuple[int, float] | None = None,
+    flap_at: tuple[float, float] | None = None,
     fault: str | None = None,
     request_head: str | None = None,
 ) -> Attempt:
@@ -361,7 +372,8 @@ async def attempt(
         assert vanish is not None
         await asyncio.sleep(max(0.0, min(vanish[1], deadline - time.monotonic() - 0.5)))
 
-    async def flap_link(seconds: float) -> None:
+    async def flap_link(seconds: float, after: float = 0.0) -> None:
+        await asyncio.sleep(after)
         await asyncio.to_thread(group.blackhole, draw.address)
         try:
             await asyncio.sleep(seconds)
@@ -373,6 +385,8 @@ async def attempt(
         async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
             await loop.sock_connect(sock, address)
             await loop.sock_sendall(sock, payload)
+            if flap_at is not None:
+                flapping = asyncio.create_task(flap_link(flap_at[1], after=flap_at[0]))
             if vanish is not None and vanish[0] == 0:
                 await go_silent()
                 return result
@@ -445,6 +459,9 @@ async def client(
             deadline=deadline,
             vanish=vanish,
             flap=flap,
+            flap_at=(draw.flap_at_seconds, draw.flap_seconds or 1.0)
+            if draw.flap_at_seconds is not None
+            else None,
             fault=draw.fault,
         )
     ]
@@ -856,11 +873,14 @@ def population_figures(
     }
 
     # Flaps: the link comes back and the client reads on to the end.
-    flaps = [(d, r) for d, r in pairs if d.behaviour == "flap"]
+    flaps = [(d, r) for d, r in pairs if d.behaviour in FLAPS]
     out["flaps"] = {
         "clients": len(flaps),
         "read_to_end": sum(1 for _, r in flaps if r[0].complete),
         "cut_at_deadline": sum(1 for _, r in flaps if r[0].cut_at_deadline),
+        "not_complete_count": sum(
+            1 for _, r in flaps if not r[0].complete and not r[0].cut_at_deadline
+        ),
         "not_complete": [
             {"client": d.client, "route": d.route, "seconds": d.flap_seconds,
              "tokens": r[0].tokens, "of": d.tokens, "status": r[0].status}
@@ -1004,6 +1024,9 @@ def violations(fig: dict[str, Any]) -> list[str]:
         out.append(f"{fig['detached_lost']['count']} detached generations lost")
     if fig["resumes"]["differ"]:
         out.append(f"{fig['resumes']['differ']} resumed bodies differ from the stored body")
+    cut = fig["flaps"].get("not_complete_count", len(fig["flaps"]["not_complete"]))
+    if cut:
+        out.append(f"{cut} live clients cut: a link that dropped for less than client_timeout")
     if fig["faults"]["silent_truncation_count"]:
         out.append(f"{fig['faults']['silent_truncation_count']} faults silently truncated")
     p99 = fig["silence"]["over_bound_p99"]

@@ -37,7 +37,7 @@ def with_usage(fig: dict[str, Any]) -> dict[str, Any]:
 
 def test_a_second_run_after_a_completed_first_run_is_a_violation() -> None:
     draws = population()
-    results = [[soak.Attempt(status=200, body=DONE)] for _ in draws]
+    results = [[soak.Attempt(status=200, body=DONE, complete=True)] for _ in draws]
     calls: collections.defaultdict[str, list[Any]] = collections.defaultdict(list)
     chat = next(d for d in draws if d.policy == "cancel")
     calls[f"soak-{chat.client}"] = [call(0, 1, finished=True), call(2, 3, finished=True)]
@@ -48,7 +48,7 @@ def test_a_second_run_after_a_completed_first_run_is_a_violation() -> None:
 
 def test_a_second_run_after_a_cancelled_first_run_is_reported_not_a_violation() -> None:
     draws = population()
-    results = [[soak.Attempt(status=200, body=DONE)] for _ in draws]
+    results = [[soak.Attempt(status=200, body=DONE, complete=True)] for _ in draws]
     calls: collections.defaultdict[str, list[Any]] = collections.defaultdict(list)
     chat = next(d for d in draws if d.policy == "cancel")
     calls[f"soak-{chat.client}"] = [call(0, 1, finished=False), call(2, 3, finished=True)]
@@ -70,7 +70,7 @@ def test_an_sse_resume_stitches_to_the_prefix_without_its_ids() -> None:
 def test_a_stitched_body_that_differs_from_the_store_is_a_violation() -> None:
     draws = population()
     resume = next(d for d in draws if d.behaviour == "resume")
-    results = [[soak.Attempt(status=200, body=DONE)] for _ in draws]
+    results = [[soak.Attempt(status=200, body=DONE, complete=True)] for _ in draws]
     results[resume.client] = [
         soak.Attempt(status=200, generation_id="gen_1", body=b"data: a\n\n"),
         soak.Attempt(status=200, body=b"data: x\n\n", resumed_from=9),
@@ -82,3 +82,15 @@ def test_a_stitched_body_that_differs_from_the_store_is_a_violation() -> None:
     )  # fmt: skip
     assert fig["resumes"]["differ"] == 1
     assert any("resumed bodies differ" in v for v in soak.violations(with_usage(fig)))
+
+
+def test_a_live_client_cut_after_a_short_drop_is_a_violation() -> None:
+    """A flap shorter than client_timeout (or a link that drops as a slow first token
+    arrives) must read to its end: a client cut there was alive."""
+    draws = population()
+    flap = next(d for d in draws if d.behaviour in soak.FLAPS)
+    results = [[soak.Attempt(status=200, body=DONE, complete=True)] for _ in draws]
+    results[flap.client] = [soak.Attempt(status=200, body=b"data: a\n\n")]
+    fig = with_usage(figures(draws, results, collections.defaultdict(list)))
+    assert fig["flaps"]["not_complete_count"] == 1
+    assert any("live clients cut" in v for v in soak.violations(fig))
