@@ -65,7 +65,7 @@ from typing import Any
 from asgi_disconnect.testing import FakeProvider
 from asgi_disconnect.testing._socket_client import _ChunkedDecoder
 
-from . import _soak_net
+from . import _soak_net, _soak_watch
 from ._uvicorn import ROOT
 
 GATEWAY = Path(ROOT) / "examples" / "gateway.py"
@@ -76,6 +76,7 @@ BEHAVIOURS = ("read", "hangup-before", "hangup-after", "stall", "retry")
 WEIGHTS = (0.4, 0.12, 0.18, 0.15, 0.15)
 TOKEN = re.compile(rb'"content": ?"tok\d+ ')
 SETTLE = 20.0
+QUIET = 3.0  # after the upstream calls settled, before the gateways' "after" sample
 
 
 def gateway_source(url_env: str) -> str:
@@ -85,7 +86,8 @@ def gateway_source(url_env: str) -> str:
             raise SystemExit(f"{GATEWAY} no longer has {needle!r} once: update benchmarks.soak")
     fake = ", ".join(f'"{h}"' for h in FAKE_HEADERS)
     source = source.replace(STORE_LINE, f'connect(os.environ["{url_env}"])')
-    return source.replace(FORWARD_LINE, f'"openai-project", {fake})')
+    source = source.replace(FORWARD_LINE, f'"openai-project", {fake})')
+    return source + _soak_watch.STATS_ROUTE
 
 
 @dataclasses.dataclass
@@ -696,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[Any] = []
     provider = FakeProvider(tokens=50, tokens_per_second=40).start()
+    watch: _soak_watch.ReplicaWatch | None = None
     try:
         for group in groups:
             group.create()
@@ -707,14 +710,27 @@ def main(argv: list[str] | None = None) -> int:
                 store = f"sqlite:///{work / 'generations.db'}"
             os.environ["SOAK_UPSTREAM"] = provider.url
             ports = start_gateways(work, args.replicas, store, logs, procs)
+            watch = _soak_watch.ReplicaWatch(
+                _soak_net.PREFIX + ".0.1",
+                ports,
+                lambda: [p.pid if p.poll() is None else None for p in procs],
+                interval=0.5,
+            ).start()
+            time.sleep(QUIET)  # the pools' first connections, the first flush
+            watch.mark("baseline")
             results = asyncio.run(run_clients(draws, groups, ports, args.duration))
             open_calls = asyncio.run(settle(provider, SETTLE))
+            time.sleep(QUIET)
+            watch.mark("after")
+            watch.stop()
             stop_gateways(procs)
             seen = sorted(
                 {a.generation_id for r in results for a in r if a.generation_id and not a.replayed}
             )
             stored = asyncio.run(read_store(store, seen, schema))
             fig = figures(draws, results, provider, stored, open_calls)
+            fig["replicas"] = watch.report()
+            fig["replica_samples"] = watch.samples
             for log in logs:
                 log.close()
             fig["gateway_log_errors"] = {
@@ -726,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
                 for log in logs
             }
         print(summary(args, rates, fig))
+        print("\n".join(_soak_watch.lines(fig["replicas"])))
         print(f"gateway log errors: {fig['gateway_log_errors']}")
         if args.json:
             fig["args"] = {k: v for k, v in vars(args).items()}
@@ -733,6 +750,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(fig, indent=2, default=str))
         return 0
     finally:
+        if watch is not None:
+            watch.stop()
         stop_gateways(procs)
         for log in logs:
             log.close()
