@@ -72,6 +72,23 @@ def _db_connections(pid: int, inodes: set[str]) -> int:
     return count
 
 
+def streams(pid: int, port: int) -> int:
+    """The replica's established connections on ``port``: its clients' streams in flight."""
+    held = _socket_inodes(pid)
+    if held is None:
+        return 0
+    count = 0
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                local_port = int(fields[1].rsplit(":", 1)[1], 16)
+                if local_port == port and fields[3] == "01" and fields[9] in held[1]:
+                    count += 1
+    return count
+
+
 def _tasks(host: str, port: int) -> int | None:
     try:
         with urllib.request.urlopen(f"http://{host}:{port}{STATS_PATH}", timeout=1) as reply:
@@ -122,6 +139,7 @@ class ReplicaWatch:
                     "rss_mib": _rss_mib(pid),
                     "fds": fds,
                     "db_connections": _db_connections(pid, inodes),
+                    "streams": streams(pid, self.ports[replica]),
                     "tasks": _tasks(self.host, self.ports[replica]),
                 }
             )

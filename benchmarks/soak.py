@@ -59,13 +59,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from asgi_disconnect.testing import FakeProvider
 from asgi_disconnect.testing._socket_client import _ChunkedDecoder
 
-from . import _soak_net, _soak_watch
+from . import _soak_events, _soak_net, _soak_watch
 from ._uvicorn import ROOT
 
 GATEWAY = Path(ROOT) / "examples" / "gateway.py"
@@ -76,6 +77,15 @@ BEHAVIOURS = ("read", "hangup-before", "hangup-after", "stall", "retry")
 WEIGHTS = (0.4, 0.12, 0.18, 0.15, 0.15)
 TOKEN = re.compile(rb'"content": ?"tok\d+ ')
 SETTLE = 20.0
+TAKEOVER_LINES = (
+    (
+        "idle_timeout=60)",
+        'idle_timeout=60, upstream="openai", continuation="continue_final_message")',
+    ),
+    ("idempotency=True)", 'idempotency=True, upstreams={"openai": client})'),
+)
+RESTART_AT = 0.4
+CHAOS_AT = 0.6
 QUIET = 3.0  # after the upstream calls settled, before the gateways' "after" sample
 
 
@@ -87,6 +97,10 @@ def gateway_source(url_env: str) -> str:
     fake = ", ".join(f'"{h}"' for h in FAKE_HEADERS)
     source = source.replace(STORE_LINE, f'connect(os.environ["{url_env}"])')
     source = source.replace(FORWARD_LINE, f'"openai-project", {fake})')
+    for needle, takeover in TAKEOVER_LINES:  # the quickstart does not opt in to takeover
+        if source.count(needle) != 1:
+            raise SystemExit(f"{GATEWAY} no longer has {needle!r} once: update benchmarks.soak")
+        source = source.replace(needle, takeover)
     return source + _soak_watch.STATS_ROUTE
 
 
@@ -332,7 +346,9 @@ async def client(
 
 def start_gateways(
     work: Path, replicas: int, store: str, logs: list[Any], procs: list[subprocess.Popen[bytes]]
-) -> list[int]:
+) -> tuple[list[int], Callable[[int], subprocess.Popen[bytes]]]:
+    """The replicas, one after the other (the first prepares the schema): their ports, and
+    how to start replica ``i`` again on its port."""
     (work / "gateway.py").write_text(gateway_source("SOAK_STORE"))
     host = _soak_net.PREFIX + ".0.1"
     env = {
@@ -341,26 +357,30 @@ def start_gateways(
         "UPSTREAM_URL": os.environ["SOAK_UPSTREAM"],
         "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
     }
-    ports = []
-    for replica in range(replicas):  # one after the other: the first prepares the schema
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            port = int(probe.getsockname()[1])
-        log = open(work / f"replica{replica}.log", "wb")  # noqa: SIM115
+    ports: list[int] = []
+
+    def start(replica: int) -> subprocess.Popen[bytes]:
+        port = ports[replica]
+        log = open(work / f"replica{replica}.log", "ab")  # noqa: SIM115
         logs.append(log)
         command = [sys.executable, "-m", "uvicorn", "gateway:app", "--host", host]
         command += ["--port", str(port), "--log-level", "warning", "--no-access-log"]
         command += ["--loop", "asyncio", "--http", "h11"]
-        procs.append(subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=log))
+        proc = subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=log)
         deadline = time.monotonic() + 30
         while True:
             with contextlib.suppress(OSError), socket.create_connection((host, port), 0.2):
-                break
-            if procs[-1].poll() is not None or time.monotonic() > deadline:
+                return proc
+            if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"replica {replica} did not start: see {log.name}")
             time.sleep(0.05)
-        ports.append(port)
-    return ports
+
+    for replica in range(replicas):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            ports.append(int(probe.getsockname()[1]))
+        procs.append(start(replica))
+    return ports, start
 
 
 def stop_gateways(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -661,6 +681,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="one JSON line per draw (default: in the temporary directory)",
     )
     parser.add_argument("--json", help="write every figure here")
+    parser.add_argument(
+        "--restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"restart replica 0 under drain at {RESTART_AT * 100:.0f}%% of --duration (two replicas)",
+    )
+    parser.add_argument(
+        "--chaos",
+        action="store_true",
+        help=f"SIGKILL replica 1 at {CHAOS_AT * 100:.0f}%% of --duration and start it again",
+    )
     args = parser.parse_args(argv)
     args.replicas = 2 if args.backend == "postgres" else 1
     if math.ceil(args.clients / args.group_size) > 250:
@@ -709,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 store = f"sqlite:///{work / 'generations.db'}"
             os.environ["SOAK_UPSTREAM"] = provider.url
-            ports = start_gateways(work, args.replicas, store, logs, procs)
+            ports, start = start_gateways(work, args.replicas, store, logs, procs)
             watch = _soak_watch.ReplicaWatch(
                 _soak_net.PREFIX + ".0.1",
                 ports,
@@ -718,7 +749,15 @@ def main(argv: list[str] | None = None) -> int:
             ).start()
             time.sleep(QUIET)  # the pools' first connections, the first flush
             watch.mark("baseline")
-            results = asyncio.run(run_clients(draws, groups, ports, args.duration))
+            routes = list(ports)  # where each replica's clients connect; the events reroute
+            plan = []
+            if args.restart and args.replicas > 1:
+                plan.append((RESTART_AT * args.duration, 0, signal.SIGTERM))
+            if args.chaos and args.replicas > 1:
+                plan.append((CHAOS_AT * args.duration, 1, signal.SIGKILL))
+            events = _soak_events.ReplicaEvents(procs, ports, routes, start, plan).start()
+            results = asyncio.run(run_clients(draws, groups, routes, args.duration))
+            events.join()
             open_calls = asyncio.run(settle(provider, SETTLE))
             time.sleep(QUIET)
             watch.mark("after")
@@ -729,6 +768,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             stored = asyncio.run(read_store(store, seen, schema))
             fig = figures(draws, results, provider, stored, open_calls)
+            fig["replica_events"] = events.events
             fig["replicas"] = watch.report()
             fig["replica_samples"] = watch.samples
             for log in logs:
@@ -742,6 +782,7 @@ def main(argv: list[str] | None = None) -> int:
                 for log in logs
             }
         print(summary(args, rates, fig))
+        print("\n".join(_soak_events.lines(fig["replica_events"])))
         print("\n".join(_soak_watch.lines(fig["replicas"])))
         print(f"gateway log errors: {fig['gateway_log_errors']}")
         if args.json:
