@@ -66,7 +66,7 @@ from typing import Any
 from asgi_disconnect.testing import FakeProvider
 from asgi_disconnect.testing._socket_client import _ChunkedDecoder
 
-from . import _soak_events, _soak_net, _soak_watch
+from . import _soak_bare, _soak_events, _soak_net, _soak_png, _soak_targets, _soak_watch
 from ._uvicorn import ROOT
 
 GATEWAY = Path(ROOT) / "examples" / "gateway.py"
@@ -193,6 +193,9 @@ class Attempt:
     cut_at_deadline: bool = False
     error: str | None = None
     retry_after: float | None = None
+    sent_at: float | None = None  # monotonic: the request written
+    first_byte_at: float | None = None
+    first_token_at: float | None = None
 
 
 def _count_tokens(body: bytes) -> int:
@@ -264,7 +267,11 @@ async def attempt(
             decoded.extend(dechunk.feed(data))
             result.complete = dechunk.done
         result.bytes = len(decoded)
+        if result.bytes and result.first_byte_at is None:
+            result.first_byte_at = time.monotonic()
         result.tokens = _count_tokens(bytes(decoded))
+        if result.tokens and result.first_token_at is None:
+            result.first_token_at = time.monotonic()
 
     def drain() -> None:
         with contextlib.suppress(OSError):
@@ -282,6 +289,7 @@ async def attempt(
         async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
             await loop.sock_connect(sock, address)
             await loop.sock_sendall(sock, request.encode() + b"\r\n" + body)
+            result.sent_at = time.monotonic()
             while not result.complete:
                 data = await loop.sock_recv(sock, 65536)
                 if not data:
@@ -334,6 +342,7 @@ async def client(
     for _ in range(20):  # the same request, the same key, to the end; 409: try again
         if time.monotonic() >= deadline:
             break
+        address = (address[0], ports[draw.replica])  # its replica may be down: rerouted
         again = await attempt(
             group, address, draw, hang_up_at=None, before_first=False, stall=None, deadline=deadline
         )
@@ -682,10 +691,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument(
+        "--bare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="then the same draws, read to the end, against a bare relay: time to first byte",
+    )
+    parser.add_argument("--png", help="draw the soak over time here (needs matplotlib)")
+    parser.add_argument(
         "--restart",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help=f"restart replica 0 under drain at {RESTART_AT * 100:.0f}%% of --duration (two replicas)",
+        help=f"restart replica 0 under drain at {RESTART_AT * 100:.0f}%% of --duration "
+        "(two replicas)",
     )
     parser.add_argument(
         "--chaos",
@@ -767,10 +784,24 @@ def main(argv: list[str] | None = None) -> int:
                 {a.generation_id for r in results for a in r if a.generation_id and not a.replayed}
             )
             stored = asyncio.run(read_store(store, seen, schema))
+            claims = asyncio.run(_soak_targets.claim_statuses(store, schema))
             fig = figures(draws, results, provider, stored, open_calls)
+            fig["targets"] = {
+                "keys_rerun_after_completion": _soak_targets.reruns_after_completion(provider),
+                "claims": claims,
+            }
             fig["replica_events"] = events.events
             fig["replicas"] = watch.report()
             fig["replica_samples"] = watch.samples
+            fig["ttfb"] = {"gateway": _soak_bare.ttfb(results)}
+            if args.bare:
+                relay, port = _soak_bare.start(_soak_net.PREFIX + ".0.1", work, logs)
+                procs.append(relay)
+                bare = asyncio.run(
+                    run_clients(_soak_bare.readers(draws), groups, [port], args.duration)
+                )
+                stop_gateways([relay])
+                fig["ttfb"]["bare"] = _soak_bare.ttfb(bare)
             for log in logs:
                 log.close()
             fig["gateway_log_errors"] = {
@@ -781,10 +812,26 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for log in logs
             }
+        if args.png:
+            if _soak_png.available():
+                shift = events.started - watch.started
+                _soak_png.draw(
+                    args.png,
+                    samples=watch.samples,
+                    events=[{**e, "clock_shift": shift} for e in events.events],
+                    calls=provider.requests,
+                    records=[r for rs in stored["usage"].values() for r in rs],
+                    started=watch.started,
+                    wall_offset=time.time() - time.monotonic(),
+                )
+            else:
+                print("--png: matplotlib is not installed (the bench extra)", file=sys.stderr)
         print(summary(args, rates, fig))
+        print("\n".join(_soak_bare.lines(fig["ttfb"])))
         print("\n".join(_soak_events.lines(fig["replica_events"])))
         print("\n".join(_soak_watch.lines(fig["replicas"])))
         print(f"gateway log errors: {fig['gateway_log_errors']}")
+        print(f"targets: {fig['targets']}; violated: {_soak_targets.violated(fig) or 'none'}")
         if args.json:
             fig["args"] = {k: v for k, v in vars(args).items()}
             fig["group_rates_kbit"] = rates
