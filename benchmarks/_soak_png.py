@@ -86,7 +86,7 @@ def draw(
     for ax in (streams, tokens, written):
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", fontsize=8)
-    fig.suptitle("soak over time (shaded: a replica down or draining)")
+    fig.suptitle("soak over time (shaded: a replica draining or down, until it serves again)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -86,6 +86,7 @@ TAKEOVER_LINES = (
 )
 RESTART_AT = 0.4
 CHAOS_AT = 0.6
+LEASES = 35.0  # after a SIGKILL: the generations' and the claims' leases (30 s), and a sweep
 QUIET = 3.0  # after the upstream calls settled, before the gateways' "after" sample
 
 
@@ -775,6 +776,11 @@ def main(argv: list[str] | None = None) -> int:
             events = _soak_events.ReplicaEvents(procs, ports, routes, start, plan).start()
             results = asyncio.run(run_clients(draws, groups, routes, args.duration))
             events.join()
+            for e in events.events:  # a killed replica's leases run out, the other takes over
+                if e["signal"] == "SIGKILL":
+                    time.sleep(
+                        max(0.0, events.started + e["exited_at"] + LEASES - time.monotonic())
+                    )
             open_calls = asyncio.run(settle(provider, SETTLE))
             time.sleep(QUIET)
             watch.mark("after")
@@ -794,6 +800,7 @@ def main(argv: list[str] | None = None) -> int:
             fig["replicas"] = watch.report()
             fig["replica_samples"] = watch.samples
             fig["ttfb"] = {"gateway": _soak_bare.ttfb(results)}
+            main_calls = list(provider.requests)  # the bare phase's calls are not the soak's
             if args.bare:
                 relay, port = _soak_bare.start(_soak_net.PREFIX + ".0.1", work, logs)
                 procs.append(relay)
@@ -819,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.png,
                     samples=watch.samples,
                     events=[{**e, "clock_shift": shift} for e in events.events],
-                    calls=provider.requests,
+                    calls=main_calls,
                     records=[r for rs in stored["usage"].values() for r in rs],
                     started=watch.started,
                     wall_offset=time.time() - time.monotonic(),
