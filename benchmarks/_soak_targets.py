@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import sqlite3
+import time
 from typing import Any
 
 from asgi_disconnect.testing import FakeProvider
@@ -31,13 +32,19 @@ async def claim_statuses(store: str, schema: str | None) -> dict[str, int]:
         conn = await asyncpg.connect(store.split("?", 1)[0])
         try:
             rows = await conn.fetch(
-                f'select status, count(*) from "{schema}".asgi_disconnect_claims group by 1'
+                f"select status || case when status = 'running' and lease_until < now() "
+                f"then ' (lease lapsed)' else '' end, count(*) "
+                f'from "{schema}".asgi_disconnect_claims group by 1'
             )
         finally:
             await conn.close()
         return {str(r[0]): int(r[1]) for r in rows}
     with sqlite3.connect(store.removeprefix("sqlite:///")) as conn:
-        found = conn.execute("select status, count(*) from asgi_disconnect_claims group by 1")
+        found = conn.execute(
+            "select status || case when status = 'running' and lease_until < ? "
+            "then ' (lease lapsed)' else '' end, count(*) from asgi_disconnect_claims group by 1",
+            (time.time(),),
+        )
         return {str(status): int(n) for status, n in found}
 
 
@@ -51,7 +58,7 @@ def violated(fig: dict[str, Any]) -> list[str]:
         out.append(f"keys run again after a completed run: {fig['targets']}")
     claimed = fig["targets"]["claims"].get("running", 0)
     if claimed:
-        out.append(f"{claimed} Idempotency-Key claims left running")
+        out.append(f"{claimed} Idempotency-Key claims left running, their lease live")
     d = fig["detach"]
     if d["started"] != d["completed"]:
         out.append(f"detached generations lost: started {d['started']}, statuses {d['statuses']}")
