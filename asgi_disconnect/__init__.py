@@ -169,9 +169,9 @@ def install(
         tokenizer=tokenizer,
         request_log=request_log,
     )
-    if options.get("upstreams"):
-        # A generation taken over from a replica that died: its records go where all do.
-        options.setdefault("takeover_sinks", sinks)
+    # The records of a replica that died (the attempt it ran, a taken-over generation's next)
+    # go where all records do.
+    options.setdefault("takeover_sinks", sinks)
     app.add_middleware(DisconnectMiddleware, **options)
     if idempotency:
         settings = dict(idempotency) if isinstance(idempotency, Mapping) else {}

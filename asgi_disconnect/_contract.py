@@ -798,6 +798,7 @@ class TakeoverStore(Protocol):
     upstreams: tuple[str, ...]
     on_takeover: Callable[[Adopted], None] | None
     on_fenced: Callable[[str], None] | None
+    on_swept: Callable[[list[str]], None] | None
     taking_over: bool
 
     def adopt(self, generation: LiveLog, size: int) -> None:
@@ -811,6 +812,9 @@ class TakeoverStore(Protocol):
 
     async def read_all(self, generation_id: str, size: int) -> bytes:
         """The first ``size`` bytes of a generation, as the store holds them."""
+
+    async def lost(self, ids: list[str]) -> list[Adopted]:
+        """The rows of generations a sweep interrupted, their owner gone."""
 
     async def usage_of(self, generation_id: str) -> list[UsageRecord]:
         """The usage records stored for a generation (one per attempt)."""

@@ -49,7 +49,7 @@ from ._resume import (
 )
 from ._states import CLIENT_MOVES, CLIENT_OF_REASON, MOVES, Client, Delivery, Stage, moved
 from ._supervisor import Supervisor
-from ._takeover import Takeover, TakeoverOptions
+from ._takeover import Takeover, TakeoverOptions, record_lost
 from ._transport import SUPPORTED as _TRANSPORT_SUPPORTED
 from ._transport import TransportMonitor, tune_listeners
 from ._writer import ClientWriter, LagClock
@@ -215,8 +215,11 @@ class DisconnectMiddleware:
         self._takeover_options = TakeoverOptions(
             upstreams or {}, takeover_sinks, observer=self._attempt_observer
         )
+        # The records of generations whose process died before it wrote them.
+        self._recording: set[asyncio.Task[None]] = set()
         if isinstance(backend, TakeoverStore):
             backend.on_fenced = self._fenced
+            backend.on_swept = self._swept
             if upstreams:
                 backend.upstreams = tuple(upstreams)
                 backend.on_takeover = self._take_over
@@ -382,6 +385,8 @@ class DisconnectMiddleware:
         self.lag_clock.close()
         if self.transport is not None:
             self.transport.close()
+        if self._recording:
+            await asyncio.wait(self._recording, timeout=_TEARDOWN_TIMEOUT)
         await self.backend.aclose()
         # Requests after the lifespan ended are served as before it began (one app used with
         # and without a lifespan, as tests do): their work ends with them.
@@ -475,6 +480,15 @@ class DisconnectMiddleware:
         self._takeovers[adopted.id] = takeover
         self.counters.takeovers += 1
         takeover.task = self.supervisor.spawn(takeover.run())
+
+    def _swept(self, ids: list[str]) -> None:
+        """The store marked generations interrupted, their owner gone: their records."""
+        assert isinstance(self.backend, TakeoverStore)
+        sinks = self._takeover_options.sinks
+        if sinks:
+            task = asyncio.ensure_future(record_lost(self.backend, sinks, ids))
+            self._recording.add(task)
+            task.add_done_callback(self._recording.discard)
 
     def _attempt_observer(self) -> AttemptObserver | None:
         return None if self.lifecycle is None else self.lifecycle.attempts

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from ._outcome import Counters
     from ._records import Adopted
 
-__all__ = ["Takeover", "TakeoverOptions"]
+__all__ = ["Takeover", "TakeoverOptions", "emit", "lost_attempt_record", "record_lost"]
 
 logger = logging.getLogger("asgi_disconnect")
 
@@ -53,6 +53,84 @@ _REPORTED = (
     "cache_read_tokens",
     "reasoning_tokens",
 )
+
+
+def emit(sinks: Sequence[UsageSink], record: UsageRecord) -> None:
+    """Hand ``record`` to each sink; one that fails is logged, never raised."""
+    for sink in sinks:
+        try:
+            result = sink(record)
+        except Exception:
+            logger.exception("a usage sink failed for generation %s", record.generation_id)
+            continue
+        if result is not None:
+            task = asyncio.ensure_future(result)
+            task.add_done_callback(_log_sink_failure)
+
+
+def lost_attempt_record(
+    lost: Adopted, attempt: int, stored: bytes, continuation: Continuation | None
+) -> UsageRecord:
+    """The record of an attempt that died with its process before it wrote one: estimated
+    from what the store kept (the provider's figures died with it). A background response
+    is billed once, by the attempt that finishes it: this one carries none of it."""
+    meter = StreamMeter(None)
+    meter.feed(stored)
+    report = meter.report()
+    background = continuation is not None and continuation.kind == "responses"
+    # Metering's default estimate: about four characters per token.
+    output = 0 if background else round(len(report.text) / 4)
+    if background:
+        note = "the provider bills the background response once, with the attempt that finished it"
+    elif continuation is not None:
+        note = "output estimated from the stored text, input unknown"
+    else:
+        note = "output estimated from the stored text; input, method and route unknown"
+    return UsageRecord(
+        generation_id=lost.id,
+        principal=lost.principal,
+        method=continuation.method if continuation is not None else "",
+        route=continuation.url if continuation is not None else "",
+        status_code=lost.status_code,
+        provider=continuation.upstream if continuation is not None else None,
+        model=report.model,
+        outcome="interrupted",
+        input_tokens=0 if background else None,
+        output_tokens=output,
+        usage_source="estimated",
+        produced_bytes=len(stored),
+        delivered_bytes=0,
+        produced_output_tokens=output,
+        delivered_output_tokens=None,
+        time_to_first_event=None,
+        duration=0.0,
+        finish_reason=None,
+        error_type="owner_lost",
+        started_at=lost.created_at,
+        policy=lost.policy,
+        detached=lost.policy == "detach",
+        usage_note=f"written by another process: its own died first; {note}",
+        attempt=attempt,
+    )
+
+
+async def record_lost(store: TakeoverStore, sinks: Sequence[UsageSink], ids: list[str]) -> None:
+    """Write the record of each generation a sweep interrupted (its owner died running it),
+    unless its owner wrote one; the store hands each id to one sweeper."""
+    try:
+        for lost in await store.lost(ids):
+            if any(r.attempt == lost.attempt for r in await store.usage_of(lost.id)):
+                continue
+            stored = await store.read_all(lost.id, lost.size)
+            continuation = None
+            if lost.continuation:
+                try:
+                    continuation = decode(lost.continuation)
+                except ValueError:
+                    continuation = None
+            emit(sinks, lost_attempt_record(lost, lost.attempt, stored, continuation))
+    except Exception as exc:
+        logger.warning("the records of %d interrupted generation(s) failed: %s", len(ids), exc)
 
 
 class TakeoverOptions:
@@ -369,10 +447,7 @@ class Takeover:
 
     async def _record_lost_attempt(self, continuation: Continuation, stored: bytes) -> None:
         """The attempt before this one died with its process before its record was written:
-        write one for it, so that every upstream call has its record. Its counts are
-        estimates from what the store kept (the provider's figures died with it); for a
-        background response the provider bills the response once, and the attempt that
-        finishes it carries the whole of that."""
+        write one for it, so that every upstream call has its record."""
         previous = self.generation.attempt - 1
         try:
             records = await self.store.usage_of(self.generation.id)
@@ -383,53 +458,11 @@ class Takeover:
                 exc,
             )
             return
-        if any(record.attempt == previous for record in records):
-            return
-        meter = StreamMeter(None)
-        meter.feed(stored)
-        report = meter.report()
-        background = continuation.kind == "responses"
-        # Metering's default estimate: about four characters per token.
-        output = 0 if background else round(len(report.text) / 4)
-        self._emit(
-            self._usage(
-                continuation,
-                None,
-                model=report.model,
-                outcome="interrupted",
-                input_tokens=0 if background else None,
-                output_tokens=output,
-                usage_source="estimated",
-                produced_bytes=len(stored),
-                produced_output_tokens=output,
-                time_to_first_event=None,
-                duration=0.0,
-                error_type="owner_lost",
-                started_at=self.adopted.created_at,
-                usage_note=(
-                    "written by the replica that took the generation over: its own process "
-                    "died first; "
-                    + (
-                        "the provider bills the background response once, with the attempt "
-                        "that finished it"
-                        if background
-                        else "output estimated from the stored text, input unknown"
-                    )
-                ),
-                attempt=previous,
-            )
-        )
+        if not any(record.attempt == previous for record in records):
+            self._emit(lost_attempt_record(self.adopted, previous, stored, continuation))
 
     def _emit(self, record: UsageRecord) -> None:
-        for sink in self.options.sinks:
-            try:
-                result = sink(record)
-            except Exception:
-                logger.exception("a usage sink failed for generation %s", record.generation_id)
-                continue
-            if result is not None:
-                task = asyncio.ensure_future(result)
-                task.add_done_callback(_log_sink_failure)
+        emit(self.options.sinks, record)
 
     def stop(self) -> bool:
         """Stop it on its owner's request: the upstream call is cancelled (for a background

@@ -78,13 +78,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from asgi_disconnect.testing import FakeProvider
 from asgi_disconnect.testing._socket_client import _ChunkedDecoder
 
-from . import _soak_net
+from . import _soak_bare, _soak_events, _soak_net, _soak_png, _soak_targets, _soak_watch
+from ._soak_targets import violations
 from ._uvicorn import ROOT
 
 GATEWAY = Path(ROOT) / "examples" / "gateway.py"
@@ -106,6 +108,17 @@ CLIENT_TIMEOUT = 10.0
 ID_LINE = re.compile(rb"id: \d+\n(?=\r?\n)")
 TOKEN = re.compile(rb'"content": ?"tok\d+ ')
 SETTLE = 20.0
+TAKEOVER_LINES = (
+    (
+        "idle_timeout=60)",
+        'idle_timeout=60, upstream="openai", continuation="continue_final_message")',
+    ),
+    ("idempotency=True)", 'idempotency=True, upstreams={"openai": client})'),
+)
+RESTART_AT = 0.4
+CHAOS_AT = 0.6
+LEASES = 35.0  # after a SIGKILL: the generations' and the claims' leases (30 s), and a sweep
+QUIET = 3.0  # after the upstream calls settled, before the gateways' "after" sample
 
 
 def gateway_source(url_env: str) -> str:
@@ -115,7 +128,12 @@ def gateway_source(url_env: str) -> str:
             raise SystemExit(f"{GATEWAY} no longer has {needle!r} once: update benchmarks.soak")
     fake = ", ".join(f'"{h}"' for h in FAKE_HEADERS)
     source = source.replace(STORE_LINE, f'connect(os.environ["{url_env}"])')
-    return source.replace(FORWARD_LINE, f'"openai-project", {fake})')
+    source = source.replace(FORWARD_LINE, f'"openai-project", {fake})')
+    for needle, takeover in TAKEOVER_LINES:  # the quickstart does not opt in to takeover
+        if source.count(needle) != 1:
+            raise SystemExit(f"{GATEWAY} no longer has {needle!r} once: update benchmarks.soak")
+        source = source.replace(needle, takeover)
+    return source + _soak_watch.STATS_ROUTE
 
 
 @dataclasses.dataclass
@@ -266,6 +284,9 @@ class Attempt:
     resumed_from: int | None = None
     sse_ids: bool = False
     body: bytes = dataclasses.field(default=b"", repr=False)
+    sent_at: float | None = None  # monotonic: the request written
+    first_byte_at: float | None = None
+    first_token_at: float | None = None
 
 
 def _count_tokens(body: bytes) -> int:
@@ -351,7 +372,11 @@ async def attempt(
             result.complete = dechunk.done
         result.bytes = len(decoded)
         result.body = bytes(decoded)
+        if result.bytes and result.first_byte_at is None:
+            result.first_byte_at = time.monotonic()
         result.tokens = _count_tokens(result.body)
+        if result.tokens and result.first_token_at is None:
+            result.first_token_at = time.monotonic()
 
     def drain() -> None:
         with contextlib.suppress(OSError):
@@ -385,6 +410,7 @@ async def attempt(
         async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
             await loop.sock_connect(sock, address)
             await loop.sock_sendall(sock, payload)
+            result.sent_at = time.monotonic()
             if flap_at is not None:
                 flapping = asyncio.create_task(flap_link(flap_at[1], after=flap_at[0]))
             if vanish is not None and vanish[0] == 0:
@@ -480,6 +506,7 @@ async def client(
     for _ in range(20):  # the same request, the same key, to the end; 409: try again
         if time.monotonic() >= deadline:
             break
+        address = (address[0], ports[draw.replica])  # its replica may be down: rerouted
         again = await attempt(
             group, address, draw, hang_up_at=None, before_first=False, stall=None, deadline=deadline
         )
@@ -528,7 +555,9 @@ def stitched(first: Attempt, resumed: Attempt) -> bytes:
 
 def start_gateways(
     work: Path, replicas: int, store: str, logs: list[Any], procs: list[subprocess.Popen[bytes]]
-) -> list[int]:
+) -> tuple[list[int], Callable[[int], subprocess.Popen[bytes]]]:
+    """The replicas, one after the other (the first prepares the schema): their ports, and
+    how to start replica ``i`` again on its port."""
     (work / "gateway.py").write_text(gateway_source("SOAK_STORE"))
     host = _soak_net.PREFIX + ".0.1"
     env = {
@@ -537,26 +566,30 @@ def start_gateways(
         "UPSTREAM_URL": os.environ["SOAK_UPSTREAM"],
         "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
     }
-    ports = []
-    for replica in range(replicas):  # one after the other: the first prepares the schema
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            port = int(probe.getsockname()[1])
-        log = open(work / f"replica{replica}.log", "wb")  # noqa: SIM115
+    ports: list[int] = []
+
+    def start(replica: int) -> subprocess.Popen[bytes]:
+        port = ports[replica]
+        log = open(work / f"replica{replica}.log", "ab")  # noqa: SIM115
         logs.append(log)
         command = [sys.executable, "-m", "uvicorn", "gateway:app", "--host", host]
         command += ["--port", str(port), "--log-level", "warning", "--no-access-log"]
         command += ["--loop", "asyncio", "--http", "h11"]
-        procs.append(subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=log))
+        proc = subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=log)
         deadline = time.monotonic() + 30
         while True:
             with contextlib.suppress(OSError), socket.create_connection((host, port), 0.2):
-                break
-            if procs[-1].poll() is not None or time.monotonic() > deadline:
+                return proc
+            if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"replica {replica} did not start: see {log.name}")
             time.sleep(0.05)
-        ports.append(port)
-    return ports
+
+    for replica in range(replicas):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            ports.append(int(probe.getsockname()[1]))
+        procs.append(start(replica))
+    return ports, start
 
 
 def stop_gateways(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -604,29 +637,17 @@ async def read_store(store: str, generation_ids: list[str], schema: str | None) 
         bodies = {
             i.id: await backend.read_all(i.id, i.size) for i in infos if i.id in generation_ids
         }  # type: ignore[attr-defined]
-        claimed = 0
         if schema is not None:
-            claimed = await backend.store.pool.fetchval(  # type: ignore[attr-defined]
-                f"select count(*) from \"{schema}\".asgi_disconnect_claims where status = 'running'"
-            )
             fetched = await backend.store.pool.fetch(  # type: ignore[attr-defined]
                 f'select generation_id, count(*) from "{schema}".asgi_disconnect_usage group by 1'
             )
             rows = {r[0]: int(r[1]) for r in fetched}
         else:
-            import sqlite3
-
-            with contextlib.closing(sqlite3.connect(store.removeprefix("sqlite:///"))) as db:
-                claimed = db.execute(
-                    "select count(*) from asgi_disconnect_claims where status = 'running'"
-                ).fetchone()[0]
             for info in infos:
                 rows[info.id] = len(await backend.usage_of(info.id))
     finally:
         await backend.aclose()
-    return {
-        "usage": usage, "infos": infos, "rows": rows, "bodies": bodies, "claimed": int(claimed),
-    }  # fmt: skip
+    return {"usage": usage, "infos": infos, "rows": rows, "bodies": bodies}
 
 
 def ratio(billed: int, delivered: int) -> float | None:
@@ -671,6 +692,11 @@ def figures(
             if a.generation_id and not a.replayed:
                 seen[a.generation_id] = (d, a)
     per_request = collections.Counter(len(v) for v in stored["usage"].values())
+    # One record per upstream call: a generation taken over has one for each attempt.
+    per_attempt: collections.Counter[int] = collections.Counter()
+    for records in stored["usage"].values():
+        counted = collections.Counter(r.attempt for r in records)
+        per_attempt.update(counted.values() or [0])
     table = collections.Counter(stored["rows"].values())
     matches = {"equal": 0, "record_more": 0, "record_less": 0, "none_in_record": 0}
     differences = []
@@ -735,6 +761,7 @@ def figures(
         "requests_without_generation_id": no_id,
         "generations_seen_by_clients": len(seen),
         "records_per_seen_generation": dict(sorted(per_request.items())),
+        "records_per_attempt": dict(sorted(per_attempt.items())),
         "generations_in_store": len(stored["infos"]),
         "records_per_generation_in_usage_table": dict(sorted(table.items())),
         "stored_generations_without_record": sum(
@@ -1003,35 +1030,6 @@ def population_figures(
         for d, r in pairs
         if d.behaviour not in ("read", "stall")
     }
-    out["keys_left_claimed"] = stored["claimed"]
-    return out
-
-
-def violations(fig: dict[str, Any]) -> list[str]:
-    """The soak's targets that did not hold (empty: all held)."""
-    out = []
-    u = fig["usage_records"]
-    if set(u["records_per_seen_generation"]) - {1}:
-        out.append(f"usage records per generation: {u['records_per_seen_generation']}, not 1")
-    if u["stored_generations_without_record"]:
-        out.append(f"{u['stored_generations_without_record']} stored generations without a record")
-    if fig["second_runs"]["violation_count"]:
-        out.append(f"{fig['second_runs']['violation_count']} keys ran upstream twice after a "
-                   "completed or overlapping first run")  # fmt: skip
-    if fig["keys_left_claimed"]:
-        out.append(f"{fig['keys_left_claimed']} keys left claimed")
-    if fig["detached_lost"]["count"]:
-        out.append(f"{fig['detached_lost']['count']} detached generations lost")
-    if fig["resumes"]["differ"]:
-        out.append(f"{fig['resumes']['differ']} resumed bodies differ from the stored body")
-    cut = fig["flaps"].get("not_complete_count", len(fig["flaps"]["not_complete"]))
-    if cut:
-        out.append(f"{cut} live clients cut: a link that dropped for less than client_timeout")
-    if fig["faults"]["silent_truncation_count"]:
-        out.append(f"{fig['faults']['silent_truncation_count']} faults silently truncated")
-    p99 = fig["silence"]["over_bound_p99"]
-    if p99 is not None and p99 > 1.0:
-        out.append(f"silence p99 at {p99}x the bound (client_timeout x rate + 1 s of tokens)")
     return out
 
 
@@ -1109,8 +1107,8 @@ def population_summary(fig: dict[str, Any]) -> list[str]:
         f"retry after a vanish: {fig['retry_after_vanish']}",
         f"faults: {fig['faults']['answers']}",
         f"second upstream runs per key: {q['kinds']}",
-        f"detached lost: {fig['detached_lost']['count']}; keys left claimed: "
-        f"{fig['keys_left_claimed']}",
+        f"detached lost: {fig['detached_lost']['count']}; Idempotency-Key claims by status: "
+        f"{fig.get('targets', {}).get('claims', {})}",
         "targets: " + ("all held" if not problems else "NOT HELD: " + "; ".join(problems)),
     ]
 
@@ -1139,6 +1137,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument(
         "--strict", action="store_true", help="exit 1 if a target (see violations()) failed"
+    )
+    parser.add_argument(
+        "--bare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="then the same draws, read to the end, against a bare relay: time to first byte",
+    )
+    parser.add_argument("--png", help="draw the soak over time here (needs matplotlib)")
+    parser.add_argument(
+        "--restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"restart replica 0 under drain at {RESTART_AT * 100:.0f}%% of --duration "
+        "(two replicas)",
+    )
+    parser.add_argument(
+        "--chaos",
+        action="store_true",
+        help=f"SIGKILL replica 1 at {CHAOS_AT * 100:.0f}%% of --duration and start it again",
     )
     args = parser.parse_args(argv)
     args.replicas = 2 if args.backend == "postgres" else 1
@@ -1177,6 +1194,7 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[Any] = []
     provider = FakeProvider(tokens=50, tokens_per_second=40).start()
+    watch: _soak_watch.ReplicaWatch | None = None
     try:
         for group in groups:
             group.create()
@@ -1187,15 +1205,54 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 store = f"sqlite:///{work / 'generations.db'}"
             os.environ["SOAK_UPSTREAM"] = provider.url
-            ports = start_gateways(work, args.replicas, store, logs, procs)
-            results = asyncio.run(run_clients(draws, groups, ports, args.duration))
+            ports, start = start_gateways(work, args.replicas, store, logs, procs)
+            watch = _soak_watch.ReplicaWatch(
+                _soak_net.PREFIX + ".0.1",
+                ports,
+                lambda: [p.pid if p.poll() is None else None for p in procs],
+                interval=0.5,
+            ).start()
+            time.sleep(QUIET)  # the pools' first connections, the first flush
+            watch.mark("baseline")
+            routes = list(ports)  # where each replica's clients connect; the events reroute
+            plan = []
+            if args.restart and args.replicas > 1:
+                plan.append((RESTART_AT * args.duration, 0, signal.SIGTERM))
+            if args.chaos and args.replicas > 1:
+                plan.append((CHAOS_AT * args.duration, 1, signal.SIGKILL))
+            events = _soak_events.ReplicaEvents(procs, ports, routes, start, plan).start()
+            results = asyncio.run(run_clients(draws, groups, routes, args.duration))
+            events.join()
+            for e in events.events:  # a killed replica's leases run out, the other takes over
+                if e["signal"] == "SIGKILL":
+                    time.sleep(
+                        max(0.0, events.started + e["exited_at"] + LEASES - time.monotonic())
+                    )
             open_calls = asyncio.run(settle(provider, SETTLE))
+            time.sleep(QUIET)
+            watch.mark("after")
+            watch.stop()
             stop_gateways(procs)
             seen = sorted(
                 {a.generation_id for r in results for a in r if a.generation_id and not a.replayed}
             )
             stored = asyncio.run(read_store(store, seen, schema))
+            claims = asyncio.run(_soak_targets.claim_statuses(store, schema))
             fig = figures(draws, results, provider, stored, open_calls)
+            fig["targets"] = {"claims": claims}
+            fig["replica_events"] = events.events
+            fig["replicas"] = watch.report()
+            fig["replica_samples"] = watch.samples
+            fig["ttfb"] = {"gateway": _soak_bare.ttfb(results)}
+            main_calls = list(provider.requests)  # the bare phase's calls are not the soak's
+            if args.bare:
+                relay, port = _soak_bare.start(_soak_net.PREFIX + ".0.1", work, logs)
+                procs.append(relay)
+                bare = asyncio.run(
+                    run_clients(_soak_bare.readers(draws), groups, [port], args.duration)
+                )
+                stop_gateways([relay])
+                fig["ttfb"]["bare"] = _soak_bare.ttfb(bare)
             for log in logs:
                 log.close()
             fig["gateway_log_errors"] = {
@@ -1206,14 +1263,34 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for log in logs
             }
+        if args.png:
+            if _soak_png.available():
+                shift = events.started - watch.started
+                _soak_png.draw(
+                    args.png,
+                    samples=watch.samples,
+                    events=[{**e, "clock_shift": shift} for e in events.events],
+                    calls=main_calls,
+                    records=[r for rs in stored["usage"].values() for r in rs],
+                    started=watch.started,
+                    wall_offset=time.time() - time.monotonic(),
+                )
+            else:
+                print("--png: matplotlib is not installed (the bench extra)", file=sys.stderr)
         print(summary(args, rates, fig))
+        print("\n".join(_soak_bare.lines(fig["ttfb"])))
+        print("\n".join(_soak_events.lines(fig["replica_events"])))
+        print("\n".join(_soak_watch.lines(fig["replicas"])))
         print(f"gateway log errors: {fig['gateway_log_errors']}")
+        print(f"targets: {violations(fig) or 'all held'}")
         if args.json:
             fig["args"] = {k: v for k, v in vars(args).items()}
             fig["group_rates_kbit"] = rates
             Path(args.json).write_text(json.dumps(fig, indent=2, default=str))
         return 1 if args.strict and violations(fig) else 0
     finally:
+        if watch is not None:
+            watch.stop()
         stop_gateways(procs)
         for log in logs:
             log.close()

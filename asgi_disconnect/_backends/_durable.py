@@ -80,6 +80,9 @@ class SQLWrites(Protocol):
     async def continued_upstreams(self) -> list[str]:
         """The upstream names the running detached generations' continuations need."""
 
+    async def lost(self, ids: list[str]) -> list[Adopted]:
+        """The rows of generations a sweep interrupted (their continuation b"" if none)."""
+
     async def take_over(
         self, owner: str, lease: float, limit: int, upstreams: list[str], max_attempts: int
     ) -> list[Adopted]:
@@ -244,6 +247,8 @@ class DurableBackend:
         self.upstreams: tuple[str, ...] = ()
         self.on_takeover: Callable[[Adopted], None] | None = None
         self.on_fenced: Callable[[str], None] | None = None
+        # Told the ids of the generations each sweep interrupted: their owner died with them.
+        self.on_swept: Callable[[list[str]], None] | None = None
         self.adopted: set[str] = set()  # taken over and running here
         self.taking_over = True  # False once this process drains
         # Output produced here and not durable yet, across every generation, is bounded:
@@ -282,6 +287,7 @@ class DurableBackend:
                 "marked %d generation(s) interrupted: their owner stopped renewing its lease",
                 len(interrupted),
             )
+            self._swept(interrupted)
         self._opened = True
         self._worker = asyncio.ensure_future(self._work())
 
@@ -413,6 +419,8 @@ class DurableBackend:
                         logger.warning(
                             "generation %s interrupted: its owner is gone", generation_id
                         )
+                    if swept:
+                        self._swept(swept)
                     next_sweep = started + self.sweep_interval
                 if started >= next_reap:
                     while await self.store.reap(1000) == 1000:
@@ -485,6 +493,19 @@ class DurableBackend:
             )
             self.adopted.add(adopted.id)
             on_takeover(adopted)
+
+    def _swept(self, ids: list[str]) -> None:
+        on_swept = self.on_swept
+        if on_swept is not None:
+            try:
+                on_swept(ids)
+            except Exception:
+                logger.exception("reporting interrupted generations failed")
+
+    async def lost(self, ids: list[str]) -> list[Adopted]:
+        """The store's rows of generations a sweep interrupted: what their lost attempt's
+        usage record is made of."""
+        return await self.store.lost(ids)
 
     async def unregistered_upstreams(self) -> list[str]:
         """The upstreams running detached generations would be continued with that this

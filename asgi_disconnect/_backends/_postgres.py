@@ -340,6 +340,10 @@ class PostgresStore:
         )
         return [row[0] for row in rows]
 
+    async def lost(self, ids: list[str]) -> list[Adopted]:
+        rows = await self.pool.fetch(self._sql["lost"], ids)
+        return [adopted_from_row(row) for row in rows]
+
     async def take_over(
         self, owner: str, lease: float, limit: int, upstreams: list[str], max_attempts: int
     ) -> list[Adopted]:
@@ -698,6 +702,10 @@ def _statements(t: str) -> dict[str, str]:
               and (continuation is null or not detached or attempt >= $2
                    or lease_until < now() - make_interval(secs => $3))
             returning id""",
+        "lost": f"""
+            select id, principal, attempt, size, status_code, content_type, policy,
+                   extract(epoch from created_at)::float8, coalesce(continuation, ''::bytea)
+            from {t}generations where id = any($1::text[])""",
         "take_over": f"""
             update {t}generations g
             set owner = $1, attempt = g.attempt + 1,

@@ -435,6 +435,21 @@ class SQLiteStore:
 
         return await self._run(select)
 
+    async def lost(self, ids: list[str]) -> list[Adopted]:
+        def select() -> list[Adopted]:
+            db = self._db
+            assert db is not None
+            marks = ",".join("?" * len(ids))
+            rows = db.execute(
+                "select id, principal, attempt, size, status_code, content_type, policy, "
+                "created_at, coalesce(continuation, x'') from asgi_disconnect_generations "
+                f"where id in ({marks})",
+                ids,
+            ).fetchall()
+            return [adopted_from_row(row) for row in rows]
+
+        return await self._run(select)
+
     async def take_over(
         self, owner: str, lease: float, limit: int, upstreams: list[str], max_attempts: int
     ) -> list[Adopted]:

@@ -291,3 +291,53 @@ async def test_a_continuation_the_provider_breaks_off_ends_failed_with_an_error_
     assert b"data: [DONE]" not in log
     (record,) = [record for record in records if record.attempt == 2]
     assert record.outcome == "error"
+
+
+async def test_a_cancelling_generation_whose_process_died_gets_its_record_from_the_sweeper(
+    sqlite_url: str,
+) -> None:
+    """Not detached, so no replica continues it: the process that marks it interrupted writes
+    the record its dead owner could not, estimated from the stored text, once."""
+    owner = connect(sqlite_url, flush_interval=0.02, lease=0.3)
+    assert isinstance(owner, DurableBackend)
+    await owner.open()
+    try:
+        generation = Generation(GID, principal="alice", content_type="text/event-stream")
+        owner.register(generation)
+        text = "".join(f"tok{i} " for i in range(20))
+        generation.append(
+            b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n' % text.encode()
+        )
+        while await owner.flush():
+            pass
+        worker = owner._worker
+        assert worker is not None
+        worker.cancel()
+        await asyncio.gather(worker, return_exceptions=True)
+    finally:
+        owner._opened = False  # dead: nothing more is written, nothing flushed at close
+        await owner.store.aclose()
+    records: list[UsageRecord] = []
+    sweepers = []
+    for _ in range(2):  # two replicas sweep; the store hands the generation to one
+        backend = connect(sqlite_url, flush_interval=0.02, lease=0.3, sweep_interval=0.05)
+        assert isinstance(backend, DurableBackend)
+        sweepers.append(
+            DisconnectMiddleware(
+                Starlette(), backend=backend, takeover_sinks=[records.append, backend.record_usage]
+            )
+        )
+    async with lifespan(sweepers[0]), lifespan(sweepers[1]):
+        async with asyncio.timeout(10):
+            while not records:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # more sweeps: none writes it again
+        stored = await sweepers[1].backend.usage_of(GID)  # type: ignore[attr-defined]
+    (record,) = records
+    assert stored == [record]
+    assert record.outcome == "interrupted"
+    assert record.error_type == "owner_lost"
+    assert record.principal == "alice"
+    assert record.usage_source == "estimated"
+    assert record.output_tokens == round(len(text) / 4)
+    assert record.attempt == 1
