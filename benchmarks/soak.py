@@ -767,6 +767,20 @@ def figures(
         "stored_generations_without_record": sum(
             1 for info in stored["infos"] if info.id not in stored["rows"]
         ),
+        "without_record": [
+            {
+                "generation": info.id,
+                "status": str(getattr(info.status, "value", info.status)),
+                "policy": info.policy,
+                "detached": info.detached,
+                "attempt": info.attempt,
+                "error": info.error,
+                "client": seen[info.id][0].client if info.id in seen else None,
+                "kind": seen[info.id][0].kind if info.id in seen else None,
+            }
+            for info in stored["infos"]
+            if info.id not in stored["rows"]
+        ][:10],
         "upstream_calls": len(provider.requests),
         "delivered_bytes_record_vs_received": byte_match,
         "delivered_record_vs_receipt": matches,
@@ -1033,6 +1047,29 @@ def population_figures(
     return out
 
 
+def set_aside_the_killed(
+    fig: dict[str, Any], draws: list[Draw], results: list[list[Attempt]], events: Any
+) -> None:
+    """A flap whose replica was SIGKILLed while it read was ended by the kill, not cut by the
+    gateway: counted apart from the live clients cut."""
+    kills = [
+        (e["replica"], events.started + e["signalled_at"])
+        for e in events.events
+        if e["signal"] == "SIGKILL"
+    ]
+    killed = {
+        d.client
+        for d, r in zip(draws, results, strict=True)
+        for replica, at in kills
+        if d.replica == replica and r and (r[0].sent_at or math.inf) < at and not r[0].complete
+    }
+    flaps = fig["flaps"]
+    cut = [x for x in flaps["not_complete"] if x["client"] not in killed]
+    flaps["ended_by_a_kill"] = flaps["not_complete_count"] - len(cut)
+    flaps["not_complete_count"] = len(cut)
+    flaps["not_complete"] = cut
+
+
 def itertools_pairwise(items: list[Any]) -> list[tuple[Any, Any]]:
     return list(itertools.pairwise(items))
 
@@ -1241,6 +1278,7 @@ def main(argv: list[str] | None = None) -> int:
             fig = figures(draws, results, provider, stored, open_calls)
             fig["targets"] = {"claims": claims}
             fig["replica_events"] = events.events
+            set_aside_the_killed(fig, draws, results, events)
             fig["replicas"] = watch.report()
             fig["replica_samples"] = watch.samples
             fig["ttfb"] = {"gateway": _soak_bare.ttfb(results)}
@@ -1255,14 +1293,16 @@ def main(argv: list[str] | None = None) -> int:
                 fig["ttfb"]["bare"] = _soak_bare.ttfb(bare)
             for log in logs:
                 log.close()
-            fig["gateway_log_errors"] = {
-                Path(log.name).name: sum(
-                    1
+            errors = {
+                Path(log.name).name: [
+                    line
                     for line in Path(log.name).read_text(errors="replace").splitlines()
                     if "Traceback" in line or "ERROR" in line
-                )
+                ]
                 for log in logs
             }
+            fig["gateway_log_errors"] = {name: len(lines) for name, lines in errors.items()}
+            fig["gateway_log_error_lines"] = {name: lines[:5] for name, lines in errors.items()}
         if args.png:
             if _soak_png.available():
                 shift = events.started - watch.started
