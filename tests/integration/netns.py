@@ -10,65 +10,25 @@ in, and a thread started inside inherits it, so a server started in a thread ins
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import os
-import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
 
 import pytest
 
-CLONE_NEWNET = 0x40000000
+# How a thread enters a namespace: the soak makes its client hosts the same way.
+from benchmarks._soak_net import inside as inside
+from benchmarks._soak_net import unavailable as unavailable
+
 SERVER_IP = "10.203.0.1"
 CLIENT_IP = "10.203.0.2"
 _counter = itertools.count()
 
 
-def _setns(fd: int) -> None:
-    if hasattr(os, "setns"):  # Python 3.12+
-        os.setns(fd, CLONE_NEWNET)
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, CLONE_NEWNET) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, os.strerror(errno))
-
-
-@contextlib.contextmanager
-def inside(namespace: str) -> Iterator[None]:
-    """Run the calling thread in ``namespace`` for the block, then where it was."""
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
-    try:
-        _setns(target)
-        try:
-            yield
-        finally:
-            _setns(own)
-    finally:
-        os.close(target)
-        os.close(own)
-
-
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
-def unavailable() -> str | None:
-    """Why this machine cannot make namespaces, or None."""
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "iproute2 (ip, tc) is not installed"
-    if os.geteuid() != 0:
-        return "making network namespaces needs root"
-    probe = f"adprobe{os.getpid()}"
-    try:
-        _ip("netns", "add", probe)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        return f"ip netns add failed: {exc}"
-    _ip("netns", "del", probe)
-    return None
 
 
 def require() -> None:
