@@ -433,3 +433,45 @@ async def test_the_response_is_stored_before_its_last_byte_is_sent() -> None:
     )
     assert stored_when_sent == [True]
     assert upstream.calls == 1
+
+
+@pytest.mark.parametrize("policy", ["cancel", "detach"])
+async def test_an_answer_that_completed_while_its_client_stopped_reading_is_replayed(
+    policy: str,
+) -> None:
+    """The app finished its answer while its client had stopped reading (a phone gone
+    silent), and the client then left: the answer is whole in its log, so a retry with the
+    key replays it; the upstream is not paid twice."""
+    from asgi_disconnect import disconnect_policy, install
+    from asgi_disconnect.testing import lifespan
+
+    runs = 0
+    done = asyncio.Event()
+
+    async def events() -> AsyncIterator[bytes]:
+        for i in range(40):
+            yield b"data: %d\n\n" % i
+            await asyncio.sleep(0.001)  # as a relay does: each event its own send
+        yield b"data: [DONE]\n\n"
+        done.set()
+
+    @disconnect_policy(policy)  # type: ignore[arg-type]
+    async def answer(request: Request) -> StreamingResponse:
+        nonlocal runs
+        runs += 1
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/answer", answer, methods=["POST"])])
+    install(app, backend=MemoryBackend(), idempotency=True)
+    headers = [("idempotency-key", "silent-1"), ("authorization", "Bearer alice")]
+    async with lifespan(app):
+        first = await drive(
+            app, method="POST", path="/answer", headers=headers, body=b"{}",
+            stop_reading_after_bytes=30, disconnect_after_seconds=0.5,
+        )  # fmt: skip
+        assert done.is_set()
+        again = await drive(app, method="POST", path="/answer", headers=headers, body=b"{}")
+    assert len(first.body) < len(again.body)
+    assert again.status == 200
+    assert again.body.endswith(b"data: 39\n\ndata: [DONE]\n\n")
+    assert runs == 1
