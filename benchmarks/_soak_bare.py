@@ -4,17 +4,14 @@ first token, p50/p99, beside the gateway's."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from ._uvicorn import ROOT
+from ._uvicorn import ROOT, uvicorn_command, wait_until_listening
 
 
 def start(host: str, work: Path, logs: list[Any]) -> tuple[subprocess.Popen[bytes], int]:
@@ -28,17 +25,10 @@ def start(host: str, work: Path, logs: list[Any]) -> tuple[subprocess.Popen[byte
     }
     log = open(work / "bare.log", "ab")  # noqa: SIM115
     logs.append(log)
-    command = [sys.executable, "-m", "uvicorn", "benchmarks._bare_relay:app", "--host", host]
-    command += ["--port", str(port), "--log-level", "warning", "--no-access-log"]
-    command += ["--loop", "asyncio", "--http", "h11"]
+    command = uvicorn_command("benchmarks._bare_relay:app", port, host=host)
     proc = subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=log)
-    deadline = time.monotonic() + 30
-    while True:
-        with contextlib.suppress(OSError), socket.create_connection((host, port), 0.2):
-            return proc, port
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the bare relay did not start: see {log.name}")
-        time.sleep(0.05)
+    wait_until_listening(port, 30, f"the bare relay (see {log.name})", host=host, proc=proc)
+    return proc, port
 
 
 def readers(draws: list[Any]) -> list[Any]:

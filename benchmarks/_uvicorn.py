@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
 import sys
 import time
 
@@ -18,7 +19,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def uvicorn_command(app: str, port: int, *, factory: bool = False) -> list[str]:
+def uvicorn_command(app: str, port: int, *, factory: bool = False, host: str = HOST) -> list[str]:
     """uvicorn with h11 and the asyncio loop, one worker, quiet: the reference server."""
     return [
         sys.executable,
@@ -26,7 +27,7 @@ def uvicorn_command(app: str, port: int, *, factory: bool = False) -> list[str]:
         "uvicorn",
         app,
         "--host",
-        HOST,
+        host,
         "--port",
         str(port),
         "--log-level",
@@ -40,10 +41,20 @@ def uvicorn_command(app: str, port: int, *, factory: bool = False) -> list[str]:
     ]
 
 
-def wait_until_listening(port: int, timeout: float, what: str) -> None:
+def wait_until_listening(
+    port: int,
+    timeout: float,
+    what: str,
+    *,
+    host: str = HOST,
+    proc: subprocess.Popen[bytes] | None = None,
+) -> None:
+    """Until ``port`` accepts; a ``proc`` that exits first is an error at once."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection((HOST, port), 0.1):
+        with contextlib.suppress(OSError), socket.create_connection((host, port), 0.1):
             return
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before it listened")
         time.sleep(0.02)
     raise RuntimeError(f"{what} did not start within {timeout:.0f}s")
