@@ -751,14 +751,18 @@ class _ClaimedRequest:
             ttl = self.route_ttl()
             if self.settled:
                 heartbeat.cancel()
-            elif isinstance(state, RequestState) and state.progress().detached and not failure:
-                # The generation outlives this request: store it once it has ended.
+            elif isinstance(state, RequestState) and (
+                (state.progress().detached and not failure) or _whole(state)
+            ):
+                # The generation outlives this request, or it ended whole while its client
+                # could not take it all (a phone gone silent, then cut): the generation is
+                # the answer, stored once it has ended, so a retry never pays twice.
                 def ended(outcome: Outcome) -> None:
                     heartbeat.cancel()
                     middleware.pending_settles.start(self.detached_ending(state, ttl))
 
                 state.on_end(ended)
-                if not middleware.attach:
+                if state.progress().detached and not middleware.attach:
                     # Known with the claim, a replica that takes the generation over (its
                     # process died) settles the claim with it, so a retry never pays twice.
                     middleware._note_generation(
@@ -908,6 +912,13 @@ async def _read_back(store: LogStore, generation: GenerationOutput, key: str) ->
                 )
         await asyncio.sleep(delay)
         delay = min(delay * 2, 2.0)
+
+
+def _whole(state: RequestState) -> bool:
+    """Whether the request's generation reached its protocol's end (whatever its client
+    received of it)."""
+    generation = state.generation
+    return generation is not None and generation.status == Status.COMPLETE
 
 
 def _replay_receive(body: bytes, receive: Receive) -> Receive:

@@ -150,6 +150,37 @@ async def test_a_vanished_client_of_detached_work_comes_back_for_exactly_the_res
     assert record.delivered_bytes < record.produced_bytes
 
 
+@pytest.mark.parametrize("route", ["/v1/reports", "/v1/chat/completions"])
+async def test_an_answer_that_completed_while_its_client_was_silent_is_replayed_to_its_retry(
+    route: str, tmp_path: Path
+) -> None:
+    """The answer ends while its phone is silent and the writer still owes it bytes (more
+    than the socket's buffers hold); the client is cut at client_timeout; it comes back
+    with the same Idempotency-Key and gets the stored answer. The upstream ran once."""
+    timeout = 3.0
+    with served("uvicorn", tmp_path, client_timeout=timeout) as setup:
+        cable, provider, records = setup.cable, setup.provider, setup.records
+        headers, body = body_json(tokens=2000, rate=2000)
+        headers["idempotency-key"] = "silent-then-retry"
+        reader = await setup.open(route, headers, body)
+        await reader.wait_bytes(1, 10)
+        cable.cut()
+        (call,) = provider.requests
+        assert await call.await_closed(10)
+        assert call.finished, "the answer did not complete before the client was cut"
+        await eventually(lambda: records, timeout + 10, "a usage record")
+        reader.stop()
+        reader.close()
+        cable.restore()
+        again = await setup.open(route, headers, body)
+        await again.wait_done(20)
+        assert again.status == 200
+        assert again.headers.get("idempotent-replayed") == "true", again.headers
+        assert again.body.endswith(b"data: [DONE]\n\n")
+        again.close()
+    assert len(provider.requests) == 1, "the retry ran the upstream again"
+
+
 @pytest.mark.parametrize("server", SERVERS)
 async def test_a_client_vanishing_during_a_silent_first_token_is_noticed(
     server: str, tmp_path: Path
