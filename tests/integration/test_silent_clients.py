@@ -152,12 +152,15 @@ async def test_a_vanished_client_of_detached_work_comes_back_for_exactly_the_res
 
 @pytest.mark.parametrize("route", ["/v1/reports", "/v1/chat/completions"])
 async def test_an_answer_that_completed_while_its_client_was_silent_is_replayed_to_its_retry(
-    route: str, tmp_path: Path
+    route: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The answer ends while its phone is silent and the writer still owes it bytes (more
     than the socket's buffers hold); the client is cut at client_timeout; it comes back
-    with the same Idempotency-Key and gets the stored answer. The upstream ran once."""
+    with the same Idempotency-Key and gets the stored answer. The upstream ran once, and
+    the server heard of the cut before the app returned (it logs no unfinished response)."""
     timeout = 3.0
+    uvicorn_log = logging.getLogger("uvicorn.error")  # its own handler: not propagated
+    uvicorn_log.addHandler(caplog.handler)
     with served("uvicorn", tmp_path, client_timeout=timeout) as setup:
         cable, provider, records = setup.cable, setup.provider, setup.records
         headers, body = body_json(tokens=2000, rate=2000)
@@ -178,7 +181,10 @@ async def test_an_answer_that_completed_while_its_client_was_silent_is_replayed_
         assert again.headers.get("idempotent-replayed") == "true", again.headers
         assert again.body.endswith(b"data: [DONE]\n\n")
         again.close()
+    uvicorn_log.removeHandler(caplog.handler)
     assert len(provider.requests) == 1, "the retry ran the upstream again"
+    unfinished = [r for r in caplog.records if "without completing response" in r.getMessage()]
+    assert not unfinished, [r.getMessage() for r in unfinished]
 
 
 @pytest.mark.parametrize("server", SERVERS)
