@@ -321,6 +321,8 @@ class GenerationOutput(Protocol):
     reader: ClientReader | None
     # What another replica needs to finish it: (upstream name, encoded continuation).
     continuation: tuple[str, bytes] | None
+    # Its request's usage record is still to be written (see ``LiveLog.record_owed``).
+    record_owed: bool
 
     def chunks_from(self, index: int) -> list[bytes]:
         """The chunks from ``index`` on, as the app produced them."""
@@ -376,6 +378,11 @@ class LiveLog(Protocol):
     def handed_over(self) -> bool:
         """It ended here only to be finished by another replica (a drain handed it over):
         its store row loses its owner instead of taking a final status."""
+
+    @property
+    def record_owed(self) -> bool:
+        """Its request's usage record is still to be written: a store that keeps the mark
+        lets another process write an estimated one if this process dies first."""
 
     # Called once when the generation ends: the store that keeps it accounts for it then.
     on_finish: Callable[[LiveLog], None] | None
@@ -588,6 +595,9 @@ class RequestState:
             return
         self.usage_pending = False
         self.usage = record
+        generation = self.generation
+        if generation is not None:
+            generation.record_owed = False
         if self._usage_hooks is not None:
             self._usage_known()
 
@@ -814,7 +824,11 @@ class TakeoverStore(Protocol):
         """The first ``size`` bytes of a generation, as the store holds them."""
 
     async def lost(self, ids: list[str]) -> list[Adopted]:
-        """The rows of generations a sweep interrupted, their owner gone."""
+        """The rows of generations a sweep interrupted, their owner gone, or whose usage
+        record their owner died before writing."""
+
+    def paid(self, ids: list[str]) -> None:
+        """The records owed for ``ids`` are written, or were already: clear their marks."""
 
     async def usage_of(self, generation_id: str) -> list[UsageRecord]:
         """The usage records stored for a generation (one per attempt)."""

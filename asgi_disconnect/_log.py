@@ -80,6 +80,9 @@ class Generation:
     attempt = 1
     # Ended here to be finished by another replica (a drain handed it over).
     handed_over = False
+    # Its request's usage record is still to be written (metering waits, for one, on the
+    # client's TCP acknowledgements): a durable store keeps the mark on its row meanwhile.
+    record_owed = False
     # Where the exchange's own frames (an error frame, say) began: the app's output ends there.
     frames_at: int | None = None
     # With a store that gives back what memory released (a durable backend): how much of

@@ -606,6 +606,8 @@ class Outbound:
             generation.detached = state.detached
         if state.continuation is not None:
             generation.continuation = state.continuation
+        if state.usage_pending:
+            generation.record_owed = True
         # What the client has not received stays in memory, unless the store gives it back.
         generation.reader = state
         generation.reads_back = self.options.reads_back

@@ -66,6 +66,8 @@ class Adopted(msgspec.Struct, frozen=True, kw_only=True):
     policy: str | None
     created_at: float
     continuation: bytes
+    # Where a sweep read it back for its lost record: how it ended (``running`` as taken).
+    status: Status = Status.RUNNING
 
 
 class ClaimState(enum.StrEnum):

@@ -43,6 +43,8 @@ _STATUS_OF = {
     "error": Status.FAILED,
     "interrupted": Status.INTERRUPTED,
 }
+_OUTCOME_OF = {status: outcome for outcome, status in _STATUS_OF.items()}
+_OUTCOME_OF[Status.COMPLETE] = "complete"
 # A record's fields that come from the attempt's metered report (None: unknown).
 _REPORTED = (
     "model",
@@ -86,6 +88,9 @@ def lost_attempt_record(
         note = "output estimated from the stored text, input unknown"
     else:
         note = "output estimated from the stored text; input, method and route unknown"
+    if lost.status is not Status.RUNNING and lost.status is not Status.INTERRUPTED:
+        # It ended; its process died waiting to write the record (on its client's TCP).
+        note += "; what reached the client is unknown"
     return UsageRecord(
         generation_id=lost.id,
         principal=lost.principal,
@@ -94,7 +99,7 @@ def lost_attempt_record(
         status_code=lost.status_code,
         provider=continuation.upstream if continuation is not None else None,
         model=report.model,
-        outcome="interrupted",
+        outcome=_OUTCOME_OF.get(lost.status, "interrupted"),
         input_tokens=0 if background else None,
         output_tokens=output,
         usage_source="estimated",
@@ -115,20 +120,22 @@ def lost_attempt_record(
 
 
 async def record_lost(store: TakeoverStore, sinks: Sequence[UsageSink], ids: list[str]) -> None:
-    """Write the record of each generation a sweep interrupted (its owner died running it),
-    unless its owner wrote one; the store hands each id to one sweeper."""
+    """Write the record of each generation a sweep interrupted (its owner died running it)
+    or found still owing its record (its owner died waiting to write it), unless its owner
+    wrote one; the store hands each id to one sweeper. An owed mark is cleared only with
+    the record's own flush: if this fails, the mark's lease lapses and a sweep tries again."""
     try:
         for lost in await store.lost(ids):
-            if any(r.attempt == lost.attempt for r in await store.usage_of(lost.id)):
-                continue
-            stored = await store.read_all(lost.id, lost.size)
-            continuation = None
-            if lost.continuation:
-                try:
-                    continuation = decode(lost.continuation)
-                except ValueError:
-                    continuation = None
-            emit(sinks, lost_attempt_record(lost, lost.attempt, stored, continuation))
+            if not any(r.attempt == lost.attempt for r in await store.usage_of(lost.id)):
+                stored = await store.read_all(lost.id, lost.size)
+                continuation = None
+                if lost.continuation:
+                    try:
+                        continuation = decode(lost.continuation)
+                    except ValueError:
+                        continuation = None
+                emit(sinks, lost_attempt_record(lost, lost.attempt, stored, continuation))
+            store.paid([lost.id])
     except Exception as exc:
         logger.warning("the records of %d interrupted generation(s) failed: %s", len(ids), exc)
 

@@ -83,6 +83,10 @@ class SQLWrites(Protocol):
     async def lost(self, ids: list[str]) -> list[Adopted]:
         """The rows of generations a sweep interrupted (their continuation b"" if none)."""
 
+    async def claim_owed(self, owner: str, lease: float, limit: int) -> list[str]:
+        """Make ``owner`` the owner of up to ``limit`` ended generations whose usage record
+        was owed when their lease lapsed (their process died waiting to write it)."""
+
     async def take_over(
         self, owner: str, lease: float, limit: int, upstreams: list[str], max_attempts: int
     ) -> list[Adopted]:
@@ -153,6 +157,8 @@ class SQLStore(
 
 # How often a process asks the store whether an owner wants one of its generations stopped.
 _CANCEL_POLL = 0.25
+# Records owed by dead processes written per sweep: the rest wait for the next one.
+_OWED_AT_ONCE = 100
 
 
 class DurableBackend:
@@ -419,8 +425,15 @@ class DurableBackend:
                         logger.warning(
                             "generation %s interrupted: its owner is gone", generation_id
                         )
-                    if swept:
-                        self._swept(swept)
+                    owed = await self.store.claim_owed(self.owner, self.lease, _OWED_AT_ONCE)
+                    for generation_id in owed:
+                        logger.warning(
+                            "generation %s: its owner died before writing its usage record; "
+                            "an estimated one is written here",
+                            generation_id,
+                        )
+                    if swept or owed:
+                        self._swept(swept + owed)
                     next_sweep = started + self.sweep_interval
                 if started >= next_reap:
                     while await self.store.reap(1000) == 1000:
@@ -503,9 +516,14 @@ class DurableBackend:
                 logger.exception("reporting interrupted generations failed")
 
     async def lost(self, ids: list[str]) -> list[Adopted]:
-        """The store's rows of generations a sweep interrupted: what their lost attempt's
-        usage record is made of."""
+        """The store's rows of generations a sweep interrupted, or whose owed usage record
+        their process died before writing: what that record is made of."""
         return await self.store.lost(ids)
+
+    def paid(self, ids: list[str]) -> None:
+        """The usage records ``ids`` owed are written (the next flush carries them), or
+        were already: their marks are cleared with that flush."""
+        self._pending.pay(ids)
 
     async def unregistered_upstreams(self) -> list[str]:
         """The upstreams running detached generations would be continued with that this

@@ -43,8 +43,13 @@ class FlushBatch:
     continued: list[tuple[str, str, bytes]] = field(default_factory=list)
     # ids handed over (a drain): their rows lose their owner, for another replica to take
     released: list[str] = field(default_factory=list)
-    # (id, status, size, error, finished_at)
-    finished: list[tuple[str, str, int, str | None, float]] = field(default_factory=list)
+    # (id, status, size, error, finished_at, record owed): a generation that ends before
+    # its usage record is written (it waits on the client's TCP) keeps its lease, renewed
+    # by the heartbeat, until ``paid`` says the record is written or none is due; a sweep
+    # writes an estimated one for a mark whose lease lapsed (its process died).
+    finished: list[tuple[str, str, int, str | None, float, bool]] = field(default_factory=list)
+    # ids whose owed usage record is written, or not due
+    paid: list[str] = field(default_factory=list)
     # (generation_id, principal, route, outcome, input_tokens, output_tokens, usage_source,
     #  the whole record as JSON, request id): a flush that may have committed is sent again,
     #  and the request id keeps its record once
@@ -59,6 +64,7 @@ class FlushBatch:
             or self.released
             or self.finished
             or self.usage
+            or self.paid
         )
 
     def rows(self) -> int:
@@ -71,6 +77,7 @@ class FlushBatch:
             + len(self.released)
             + len(self.finished)
             + len(self.usage)
+            + len(self.paid)
         )
 
     def touched(self) -> set[str]:
@@ -144,6 +151,10 @@ class PendingWrites:
         self._url = url
         self._live: dict[str, _Tracked] = {}
         self._usage: list[UsageRow] = []
+        # Written to their end with their usage record still owed (see FlushBatch.finished),
+        # and the ids whose owed record is written or not due, for the next flush.
+        self._owing: dict[str, LiveLog] = {}
+        self._paid: list[str] = []
 
     def __len__(self) -> int:
         return len(self._live)
@@ -172,6 +183,11 @@ class PendingWrites:
         """The generation, if this process produces it and it is not all written yet."""
         tracked = self._live.get(generation_id)
         return None if tracked is None else tracked.generation
+
+    def pay(self, generation_ids: list[str]) -> None:
+        """The usage records owed for ``generation_ids`` are written (with the next flush,
+        which carries them), or none is due: their marks are cleared with it."""
+        self._paid.extend(generation_ids)
 
     def pending_bytes(self) -> int:
         return sum(t.generation.size - t.size for t in self._live.values())
@@ -265,10 +281,22 @@ class PendingWrites:
                     info = generation.info()
                     assert info.finished_at is not None
                     batch.finished.append(
-                        (info.id, info.status.value, start, info.error, info.finished_at)
+                        (
+                            info.id,
+                            info.status.value,
+                            start,
+                            info.error,
+                            info.finished_at,
+                            generation.record_owed,
+                        )
                     )
                 done.append(tracked)
+        for generation_id, generation in list(self._owing.items()):
+            if not generation.record_owed:
+                self._paid.append(generation_id)
+                del self._owing[generation_id]
         batch.usage, self._usage = self._usage, []
+        batch.paid, self._paid = self._paid, []
         return batch, more, done
 
     def committed(self, batch: FlushBatch, done: list[_Tracked]) -> None:
@@ -298,14 +326,18 @@ class PendingWrites:
             tracked = self._live.get(generation_id)
             if tracked is not None:
                 tracked.continued = True
+        owed = {row[0] for row in batch.finished if row[5]}
         for tracked in done:
-            self._live.pop(tracked.generation.id, None)
+            generation = self._live.pop(tracked.generation.id, tracked).generation
+            if generation.id in owed:
+                self._owing[generation.id] = generation
 
     def failed(self, batch: FlushBatch) -> None:
         """Writing ``batch`` failed, or was cancelled, and may have committed all the same:
         its usage records wait again, and its chunk rows are sent again as they were."""
         self._usage[:0] = batch.usage
         self._drop_usage()
+        self._paid[:0] = batch.paid
         for generation_id, start, data, sizes in batch.chunks:
             tracked = self._live.get(generation_id)
             if tracked is None:

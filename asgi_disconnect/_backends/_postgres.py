@@ -308,6 +308,7 @@ class PostgresStore:
             payloads,
             *_columns(batch.continued, 0, 1, 2),
             batch.released,
+            batch.paid,
         )
         return list(fenced or ())
 
@@ -338,6 +339,10 @@ class PostgresStore:
             f"select distinct upstream from {self._t}generations "
             "where status = 'running' and detached and upstream is not null"
         )
+        return [row[0] for row in rows]
+
+    async def claim_owed(self, owner: str, lease: float, limit: int) -> list[str]:
+        rows = await self.pool.fetch(self._sql["claim_owed"], owner, lease, limit)
         return [row[0] for row in rows]
 
     async def lost(self, ids: list[str]) -> list[Adopted]:
@@ -531,6 +536,10 @@ alter table {t}generations add column if not exists
 alter table {t}generations add column if not exists attempt integer not null default 1;
 alter table {t}generations add column if not exists upstream text;
 alter table {t}generations add column if not exists continuation bytea;
+alter table {t}generations add column if not exists
+    record_owed boolean not null default false;
+create index if not exists asgi_disconnect_generations_owed
+    on {t}generations (lease_until) where record_owed;
 create index if not exists asgi_disconnect_generations_lease
     on {t}generations (status, lease_until);
 create index if not exists asgi_disconnect_generations_expiry
@@ -597,8 +606,9 @@ create or replace function {t}flush(
     u_input_tokens int[], u_output_tokens int[], u_source text[], u_record text[],
     u_request_id text[],
     f_id text[], f_status text[], f_size bigint[], f_error text[], f_finished_at float8[],
+    f_owed boolean[],
     w_ttl float8, n_channel text, n_payloads text[],
-    t_id text[], t_upstream text[], t_continuation bytea[], r_id text[]
+    t_id text[], t_upstream text[], t_continuation bytea[], r_id text[], p_id text[]
 ) returns text[] language plpgsql as $flush$
 declare
     fenced text[] := '{{}}';
@@ -663,10 +673,16 @@ begin
         update {t}generations g
         set status = r.status, size = r.size, error = r.error,
             finished_at = to_timestamp(r.finished_at),
-            expires_at = now() + make_interval(secs => w_ttl), lease_until = null
-        from unnest(f_id, f_status, f_size, f_error, f_finished_at)
-            as r(id, status, size, error, finished_at)
+            expires_at = now() + make_interval(secs => w_ttl), record_owed = r.owed,
+            -- A record still owed keeps the lease: the heartbeat renews it till it is paid.
+            lease_until = case when r.owed then now() + make_interval(secs => w_lease) end
+        from unnest(f_id, f_status, f_size, f_error, f_finished_at, f_owed)
+            as r(id, status, size, error, finished_at, owed)
         where g.id = r.id and g.owner = w_owner and g.status = 'running';
+    end if;
+    if cardinality(p_id) > 0 then
+        update {t}generations set record_owed = false, lease_until = null
+        where id = any(p_id) and record_owed;
     end if;
     perform pg_notify(n_channel, payload) from unnest(n_payloads) as payload;
     return fenced;
@@ -676,13 +692,17 @@ $flush$;
 
 
 def _statements(t: str) -> dict[str, str]:
-    flush_args = ", ".join(f"${n}" for n in range(1, 40))
+    flush_args = ", ".join(f"${n}" for n in range(1, 42))
     return {
         "flush": f"select {t}flush({flush_args})",
         "heartbeat": f"""
             with renewed as (
                 update {t}generations set lease_until = now() + make_interval(secs => $2)
                 where owner = $1 and status = 'running' returning id
+            ), owed as (
+                -- Ended, their usage record still to be written (see the flush's p_id).
+                update {t}generations set lease_until = now() + make_interval(secs => $2)
+                where owner = $1 and record_owed
             )
             -- The claims of the generations it runs (taken over ones too) live as long.
             update {t}claims
@@ -704,8 +724,20 @@ def _statements(t: str) -> dict[str, str]:
             returning id""",
         "lost": f"""
             select id, principal, attempt, size, status_code, content_type, policy,
-                   extract(epoch from created_at)::float8, coalesce(continuation, ''::bytea)
+                   extract(epoch from created_at)::float8, coalesce(continuation, ''::bytea),
+                   status
             from {t}generations where id = any($1::text[])""",
+        "claim_owed": f"""
+            update {t}generations g
+            set owner = $1, lease_until = now() + make_interval(secs => $2)
+            from (
+                select id from {t}generations
+                where record_owed and lease_until < now()
+                order by lease_until limit $3
+                for update skip locked
+            ) owed
+            where g.id = owed.id
+            returning g.id""",
         "take_over": f"""
             update {t}generations g
             set owner = $1, attempt = g.attempt + 1,
@@ -788,7 +820,7 @@ def _flush_arrays(batch: FlushBatch) -> tuple[Any, ...]:
         *_columns(usage, 0, 1, 2, 3, 4, 5, 6),
         [row[7].decode() for row in usage],
         *_columns(usage, 8),
-        *_columns(batch.finished, 0, 1, 2, 3, 4),
+        *_columns(batch.finished, 0, 1, 2, 3, 4, 5),
         batch.ttl,
     )
 

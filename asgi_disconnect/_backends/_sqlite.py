@@ -53,7 +53,8 @@ create table if not exists asgi_disconnect_generations (
     cancel_requested integer not null default 0,
     attempt integer not null default 1,
     upstream text,
-    continuation blob
+    continuation blob,
+    record_owed integer not null default 0
 );
 create index if not exists asgi_disconnect_generations_lease
     on asgi_disconnect_generations (status, lease_until);
@@ -114,6 +115,7 @@ _TAKEOVER_COLUMNS = (
     ("attempt", "integer not null default 1"),
     ("upstream", "text"),
     ("continuation", "blob"),
+    ("record_owed", "integer not null default 0"),
 )
 
 # One statement: the live binding, renewed; or a new one to ``provider`` if none lives.
@@ -370,7 +372,7 @@ class SQLiteStore:
         def renew(db: sqlite3.Connection) -> None:
             db.execute(
                 f"update asgi_disconnect_generations set lease_until = {_NOW} + ? "
-                "where owner = ? and status = 'running'",
+                "where owner = ? and (status = 'running' or record_owed)",
                 (lease, owner),
             )
             # The claims of the generations it runs (taken over ones too) live as long.
@@ -423,6 +425,19 @@ class SQLiteStore:
 
         return await self._run(self._write, interrupt)
 
+    async def claim_owed(self, owner: str, lease: float, limit: int) -> list[str]:
+        def claim(db: sqlite3.Connection) -> list[str]:
+            rows = db.execute(
+                f"update asgi_disconnect_generations set owner = ?, lease_until = {_NOW} + ? "
+                "where id in (select id from asgi_disconnect_generations "
+                f"where record_owed and lease_until < {_NOW} order by lease_until limit ?) "
+                "returning id",
+                (owner, lease, limit),
+            ).fetchall()
+            return [row[0] for row in rows]
+
+        return await self._run(self._write, claim)
+
     async def continued_upstreams(self) -> list[str]:
         def select() -> list[str]:
             db = self._db
@@ -442,7 +457,8 @@ class SQLiteStore:
             marks = ",".join("?" * len(ids))
             rows = db.execute(
                 "select id, principal, attempt, size, status_code, content_type, policy, "
-                "created_at, coalesce(continuation, x'') from asgi_disconnect_generations "
+                "created_at, coalesce(continuation, x''), status "
+                "from asgi_disconnect_generations "
                 f"where id in ({marks})",
                 ids,
             ).fetchall()
@@ -836,11 +852,18 @@ def _flush(db: sqlite3.Connection, batch: FlushBatch) -> list[str]:
         # Fenced by the owner token: a generation swept as interrupted stays so.
         db.executemany(
             f"update asgi_disconnect_generations set status = ?, size = ?, error = ?, "
-            f"finished_at = ?, expires_at = {_NOW} + ?, lease_until = null "
+            f"finished_at = ?, expires_at = {_NOW} + ?, record_owed = ?, "
+            f"lease_until = case when ? then {_NOW} + ? end "
             "where id = ? and owner = ? and status = 'running'",
             [
-                (status, size, error, at, batch.ttl, gid, batch.owner)
-                for gid, status, size, error, at in batch.finished
+                (status, size, error, at, batch.ttl, owed, owed, batch.lease, gid, batch.owner)
+                for gid, status, size, error, at, owed in batch.finished
             ],
+        )
+    if batch.paid:
+        db.executemany(
+            "update asgi_disconnect_generations set record_owed = 0, lease_until = null "
+            "where id = ? and record_owed",
+            [(gid,) for gid in batch.paid],
         )
     return fenced

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import json
 import logging
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -171,7 +172,13 @@ async def test_an_answer_that_completed_while_its_client_was_silent_is_replayed_
         (call,) = provider.requests
         assert await call.await_closed(10)
         assert call.finished, "the answer did not complete before the client was cut"
+        # Until the client's TCP settles what it got, the record is owed: its stored row
+        # says so, for another process to write it if this one dies meanwhile.
+        generation_id = reader.headers["x-generation-id"]
+        database = tmp_path / "generations.db"
+        await eventually(lambda: _owed(database, generation_id) == (1, "complete"), 10, "the mark")
         await eventually(lambda: records, timeout + 10, "a usage record")
+        await eventually(lambda: _owed(database, generation_id) == (0, "complete"), 10, "paid")
         reader.stop()
         reader.close()
         cable.restore()
@@ -290,6 +297,16 @@ async def test_a_link_that_drops_for_3_s_and_comes_back_keeps_its_stream(
     assert record.outcome == "complete"
     assert record.delivered_bytes == record.produced_bytes == len(reader.body)
     assert record.delivered_output_tokens == record.output_tokens
+
+
+def _owed(database: Path, generation_id: str) -> tuple[int, str] | None:
+    """The generation's stored row: whether its usage record is owed, and its status."""
+    with contextlib.closing(sqlite3.connect(database)) as db:
+        row = db.execute(
+            "select record_owed, status from asgi_disconnect_generations where id = ?",
+            (generation_id,),
+        ).fetchone()
+    return None if row is None else (row[0], row[1])
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterator
 
 import httpx
+import msgspec
 import pytest
 from starlette.applications import Starlette
 
@@ -19,6 +20,7 @@ from asgi_disconnect._continuation import encode, recorded
 from asgi_disconnect._log import Generation, Status
 from asgi_disconnect.testing import FakeProvider
 from asgi_disconnect.testing._driver import lifespan
+from tests.unit.test_backends import usage_record
 
 pytestmark = pytest.mark.anyio
 
@@ -341,3 +343,99 @@ async def test_a_cancelling_generation_whose_process_died_gets_its_record_from_t
     assert record.usage_source == "estimated"
     assert record.output_tokens == round(len(text) / 4)
     assert record.attempt == 1
+
+
+async def _died_owing_a_record(url: str, *, paid: bool) -> str:
+    """A process that ended its generation whole, its usage record still owed (waiting on
+    its client's TCP), flushed that, and died: the text it stored. ``paid``: it wrote the
+    record just before dying."""
+    owner = connect(url, flush_interval=0.02, lease=0.3)
+    assert isinstance(owner, DurableBackend)
+    await owner.open()
+    text = "".join(f"tok{i} " for i in range(24))
+    try:
+        generation = Generation(GID, principal="alice", content_type="text/event-stream")
+        generation.record_owed = True
+        owner.register(generation)
+        generation.append(
+            b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n' % text.encode()
+        )
+        generation.append(b"data: [DONE]\n\n")
+        generation.finish(Status.COMPLETE)
+        while await owner.flush():
+            pass
+        if paid:
+            generation.record_owed = False  # as metering settles it, with the record
+            owner.record_usage(msgspec.structs.replace(usage_record(GID), usage_source="provider"))
+            while await owner.flush():
+                pass
+        worker = owner._worker
+        assert worker is not None
+        worker.cancel()
+        await asyncio.gather(worker, return_exceptions=True)
+    finally:
+        owner._opened = False  # dead: nothing more is written, nothing flushed at close
+        await owner.store.aclose()
+    return text
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def sql_url(request: pytest.FixtureRequest) -> str:
+    return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+async def test_a_record_its_process_died_waiting_to_write_is_written_by_the_sweeper(
+    sql_url: str,
+) -> None:
+    """The generation ended whole; its process was SIGKILLed while the record waited on the
+    client's TCP acknowledgements. The mark it left on the row (renewed by its heartbeat
+    while it lived) lapses, and one replica writes the record, estimated and said so,
+    with the generation's own ending; once."""
+    url = sql_url
+    text = await _died_owing_a_record(url, paid=False)
+    records: list[UsageRecord] = []
+    sweepers = []
+    for _ in range(2):
+        backend = connect(url, flush_interval=0.02, lease=0.3, sweep_interval=0.05)
+        assert isinstance(backend, DurableBackend)
+        sweepers.append(
+            DisconnectMiddleware(
+                Starlette(), backend=backend, takeover_sinks=[records.append, backend.record_usage]
+            )
+        )
+    async with lifespan(sweepers[0]), lifespan(sweepers[1]):
+        async with asyncio.timeout(10):
+            while not records:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.8)  # more sweeps, more leases lapsed: none writes it again
+        stored = await sweepers[1].backend.usage_of(GID)  # type: ignore[attr-defined]
+        info = await sweepers[0].backend.get(GID)  # type: ignore[attr-defined]
+    (record,) = records
+    assert stored == [record]
+    assert record.outcome == "complete"
+    assert record.error_type == "owner_lost"
+    assert record.usage_source == "estimated"
+    assert record.output_tokens == round(len(text) / 4)
+    assert record.usage_note is not None
+    assert "reached the client is unknown" in record.usage_note
+    assert info is not None
+    assert info.status == Status.COMPLETE
+
+
+async def test_a_record_written_before_its_process_died_is_not_written_again(
+    sql_url: str,
+) -> None:
+    """The mark is cleared in the flush that writes the record: nothing is owed."""
+    url = sql_url
+    await _died_owing_a_record(url, paid=True)
+    records: list[UsageRecord] = []
+    backend = connect(url, flush_interval=0.02, lease=0.3, sweep_interval=0.05)
+    assert isinstance(backend, DurableBackend)
+    sweeper = DisconnectMiddleware(
+        Starlette(), backend=backend, takeover_sinks=[records.append, backend.record_usage]
+    )
+    async with lifespan(sweeper):
+        await asyncio.sleep(1.0)  # leases of 0.3 s, sweeps every 0.05 s
+        stored = await backend.usage_of(GID)
+    assert records == []
+    assert [r.usage_source for r in stored] == ["provider"]
