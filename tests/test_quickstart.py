@@ -26,6 +26,10 @@ BODY = (
     b'{"model": "fake-model", "stream": true, "stream_options": {"include_usage": true},'
     b' "messages": [{"role": "user", "content": "hi"}]}'
 )
+# As docs/quickstart.md's curl sends it: no usage asked for.
+PLAIN_BODY = (
+    b'{"model": "fake-model", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
+)
 
 
 def gateway_block(document: Path) -> str:
@@ -77,6 +81,28 @@ def test_the_quickstart_gateway_relays_and_meters(document: str, tmp_path: Path)
     assert f"{cut.headers['x-generation-id']} cancelled:" in output, output
     first, _ = provider.requests
     assert first.body["stream"] is True
+
+
+@pytest.mark.server
+def test_the_quickstart_asks_the_provider_for_usage_the_caller_did_not(tmp_path: Path) -> None:
+    """A request that asks for no usage is billed on the provider's own counts, not an
+    estimate, and its caller gets no usage chunk it did not ask for."""
+    provider = FakeProvider(tokens=50, tokens_per_second=200)
+    headers = {"authorization": "Bearer sk-anything", "content-type": "application/json"}
+    with provider, quickstart(tmp_path, provider) as (url, log):
+        answer = asyncio.run(
+            request(f"{url}/v1/chat/completions", method="POST", headers=headers, body=PLAIN_BODY)
+        )
+        deadline = time.monotonic() + 10
+        while " out (" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        output = log.read_text()
+    assert answer.body.endswith(b"data: [DONE]\n\n")
+    assert b'"usage"' not in answer.body
+    generation_id = answer.headers["x-generation-id"]
+    assert f"{generation_id} complete: 12 in, 50 out (provider), 50 delivered" in output, output
+    (sent,) = provider.requests
+    assert sent.body["stream_options"] == {"include_usage": True}
 
 
 @contextlib.contextmanager
@@ -197,14 +223,14 @@ def test_the_documented_run_leaves_time_to_press_ctrl_c(tmp_path: Path) -> None:
         quickstart(tmp_path, upstream, "docs/quickstart.md") as (url, log),
     ):
         whole = asyncio.run(
-            request(f"{url}/v1/chat/completions", method="POST", headers=headers, body=BODY)
+            request(f"{url}/v1/chat/completions", method="POST", headers=headers, body=PLAIN_BODY)
         )
         cut = asyncio.run(
             request(
                 f"{url}/v1/chat/completions",
                 method="POST",
                 headers=headers,
-                body=BODY,
+                body=PLAIN_BODY,
                 disconnect_when=lambda body: b"data: " in body,  # Ctrl-C at the first token
             )
         )
