@@ -208,7 +208,8 @@ def _missing_for_demo() -> str | None:
         return None
     return (
         f"the demo needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-        "not installed: pip install 'asgi-disconnect[demo]'"
+        "not installed: pip install -e '.[demo]' in a clone of asgi-disconnect (bash scripts/demo "
+        f"does it), else pip install {' '.join(missing)}"
     )
 
 

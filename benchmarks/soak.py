@@ -110,8 +110,8 @@ TOKEN = re.compile(rb'"content": ?"tok\d+ ')
 SETTLE = 20.0
 TAKEOVER_LINES = (
     (
-        "idle_timeout=60)",
-        'idle_timeout=60, upstream="openai", continuation="continue_final_message")',
+        "idle_timeout=60,",
+        'idle_timeout=60, upstream="openai", continuation="continue_final_message",',
     ),
     ("idempotency=True)", 'idempotency=True, upstreams={"openai": client})'),
 )

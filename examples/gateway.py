@@ -35,8 +35,12 @@ async def relay(request: Request) -> Response:
     outgoing = client.build_request(
         "POST", "/v1/chat/completions", content=await request.body(), headers=headers
     )
-    try:  # 30 s to the first event, 60 s of silence between events
-        upstream = await open_stream(client, outgoing, first_token_timeout=30, idle_timeout=60)
+    # 30 s to the first event, 60 s of silence between events; the provider's own usage
+    # counts asked for, though the caller gets exactly the bytes it asked for.
+    try:
+        upstream = await open_stream(
+            client, outgoing, first_token_timeout=30, idle_timeout=60, ask_for_usage=True
+        )
     except UpstreamStatusError as exc:  # the provider's own 400, 401, 429, 500: passed on
         retry = {"retry-after": exc.retry_after} if exc.retry_after else None
         return JSONResponse(exc.error, status_code=exc.status_code, headers=retry)

@@ -1,6 +1,8 @@
 """The documentation site builds without a warning (a broken link or anchor included), its API
-reference renders the docstrings as written (no Sphinx role shown as text), and README.md's
-links into docs/ reach headings that exist."""
+reference renders the docstrings as written (no Sphinx role shown as text), README.md's
+links into docs/ reach headings that exist, and no page sends its reader back to README.
+Every page that says how to install the package says how to do it from a clone (it is not on
+the index yet); the SDK examples pass the key that names their caller."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+DOCUMENTS = [ROOT / "README.md", *PAGES]
 # What mkdocstrings shows literally when a docstring is written for Sphinx.
 ROLE = re.compile(r":(?:class|func|meth|attr|data|exc|mod|obj):`")
 
@@ -81,9 +85,75 @@ def test_readmes_links_into_the_docs_reach_their_headings(site: Path) -> None:
     assert links, "README.md links to no page of docs/"
     missing = []
     for page, anchor in links:
-        built = site / page / "index.html"
+        built = site / ("" if page == "index" else page) / "index.html"
         if not built.exists():
             missing.append(f"docs/{page}.md")
         elif anchor and f'id="{anchor}"' not in built.read_text():
             missing.append(f"docs/{page}.md#{anchor}")
     assert not missing, f"README.md links to what the site does not have: {missing}"
+
+
+def test_no_page_sends_its_reader_to_readme() -> None:
+    """The site is the documentation: README's sections are not on it, and they move."""
+    found = [
+        f"{page.relative_to(ROOT)}:{number}: {line.strip()}"
+        for page in PAGES
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        if re.search(r"\bREADME\b", line)
+    ]
+    assert not found, "docs pages that point at README:\n" + "\n".join(found)
+
+
+def test_the_docs_say_how_to_build_them() -> None:
+    page = (ROOT / "docs" / "development.md").read_text()
+    assert "pip install -e '.[docs]'" in page
+    assert "mkdocs build --strict" in page
+    assert "development.md" in (ROOT / "mkdocs.yml").read_text()
+
+
+# `pip install asgi-disconnect...` from the index (not `./asgi-disconnect`, a clone's path).
+INDEX_INSTALL = re.compile(r"pip install [^`\n]*?(?<![\w./-])['\"]?asgi-disconnect\b")
+
+
+def test_no_page_installs_from_the_index_as_if_the_package_were_on_it() -> None:
+    """The package is not on PyPI yet: its name is installed only from a built wheel
+    (``--find-links``) or in a sentence that says it waits for publication."""
+    found = []
+    for document in DOCUMENTS:
+        for paragraph in document.read_text().split("\n\n"):
+            for match in INDEX_INSTALL.finditer(paragraph):
+                line = paragraph[: match.end()].rsplit("\n", 1)[-1]
+                if "--find-links" not in line and "once it is published" not in paragraph.lower():
+                    found.append(f"{document.relative_to(ROOT)}: {line.strip()}")
+    assert not found, found
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/index.md", "docs/quickstart.md"])
+def test_the_install_instructions_start_from_a_clone(document: str) -> None:
+    text = (ROOT / document).read_text()
+    assert "git clone https://github.com/asgi-disconnect/asgi-disconnect" in text
+    assert re.search(r"pip install -e \.?/?(asgi-disconnect)?", text), document
+    assert "once it is published" in text.lower(), document
+    if document != "docs/quickstart.md":  # which links to docs/index.md's
+        assert "pip wheel --no-deps -w dist ." in text
+        assert "pip install dist/asgi_disconnect-*.whl" in text
+
+
+# An SDK client made in a code example: OpenAI(...), AsyncAnthropic(...).
+SDK_CLIENT = re.compile(r"\b(?:Async)?(?:OpenAI|Anthropic)\((?P<arguments>[^)]*)\)")
+
+
+def test_the_sdk_examples_pass_the_key_that_names_their_caller() -> None:
+    """The SDKs need a key; against the gateway it is also who the caller is (resume and Stop
+    take the same one), so every example passes it and says so."""
+    calls = []
+    for document in DOCUMENTS:
+        text = document.read_text()
+        for match in SDK_CLIENT.finditer(text):
+            if "base_url=" not in match["arguments"]:
+                continue
+            calls.append(document.name)
+            assert "api_key=" in match["arguments"], f"{document.name}: {match[0]}"
+            nearby = text[max(0, match.start() - 800) : match.end() + 800]
+            assert re.search(r"caller|who you are|identity", nearby), document.name
+    assert {"README.md", "resume.md"} <= set(calls), calls

@@ -94,3 +94,15 @@ def test_the_changelog_speaks_of_the_current_version() -> None:
     assert all(re.fullmatch(r"\d+\.\d+\.\d+", version) for version in versions), versions
     numbers = [tuple(map(int, version.split("."))) for version in versions]
     assert numbers == sorted(numbers, reverse=True), versions
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/index.md"])
+def test_the_wheel_the_install_instructions_name_is_the_one_built(
+    dist: Path, document: str
+) -> None:
+    """The package is not on the index: the docs install the wheel built in a clone, by a
+    pattern that must match the file the build makes."""
+    patterns = re.findall(r"pip install dist/(\S+\.whl)", (ROOT / document).read_text())
+    assert patterns, f"{document} does not say how to install a built wheel"
+    for pattern in patterns:
+        assert len(list(dist.glob(pattern))) == 1, (pattern, sorted(dist.iterdir()))

@@ -1,7 +1,9 @@
-"""The quickstart works as written: the ``# gateway.py`` block of docs/quickstart.md and of
-README.md, saved as a file and served by uvicorn against FakeProvider, relays a stream,
-forwards the caller's credentials, and prints one usage record per request, a cut one as
-``cancelled``. (The docs site is built in test_docs.py.)"""
+"""The quickstart works as written: the ``# gateway.py`` block of docs/quickstart.md (the very
+file examples/gateway.py), saved as a file and served by uvicorn against FakeProvider, relays a
+stream, forwards the caller's credentials, asks the provider for usage, and prints one usage
+record per request, a cut one as ``cancelled``. README's short example, as written, relays a
+stream and stops the provider when its client hangs up. (The docs site is built in
+test_docs.py.)"""
 
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ BODY = (
     b'{"model": "fake-model", "stream": true, "stream_options": {"include_usage": true},'
     b' "messages": [{"role": "user", "content": "hi"}]}'
 )
+# As docs/quickstart.md's curl sends it: no usage asked for.
+PLAIN_BODY = (
+    b'{"model": "fake-model", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
+)
 
 
 def gateway_block(document: Path) -> str:
@@ -45,7 +51,7 @@ def free_port() -> int:
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("document", ["docs/quickstart.md", "README.md", "examples/gateway.py"])
+@pytest.mark.parametrize("document", ["docs/quickstart.md", "examples/gateway.py"])
 def test_the_quickstart_gateway_relays_and_meters(document: str, tmp_path: Path) -> None:
     provider = FakeProvider(tokens=50, tokens_per_second=200)
     with provider, quickstart(tmp_path, provider, document) as (url, log):
@@ -79,6 +85,28 @@ def test_the_quickstart_gateway_relays_and_meters(document: str, tmp_path: Path)
     assert first.body["stream"] is True
 
 
+@pytest.mark.server
+def test_the_quickstart_asks_the_provider_for_usage_the_caller_did_not(tmp_path: Path) -> None:
+    """A request that asks for no usage is billed on the provider's own counts, not an
+    estimate, and its caller gets no usage chunk it did not ask for."""
+    provider = FakeProvider(tokens=50, tokens_per_second=200)
+    headers = {"authorization": "Bearer sk-anything", "content-type": "application/json"}
+    with provider, quickstart(tmp_path, provider) as (url, log):
+        answer = asyncio.run(
+            request(f"{url}/v1/chat/completions", method="POST", headers=headers, body=PLAIN_BODY)
+        )
+        deadline = time.monotonic() + 10
+        while " out (" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        output = log.read_text()
+    assert answer.body.endswith(b"data: [DONE]\n\n")
+    assert b'"usage"' not in answer.body
+    generation_id = answer.headers["x-generation-id"]
+    assert f"{generation_id} complete: 12 in, 50 out (provider), 50 delivered" in output, output
+    (sent,) = provider.requests
+    assert sent.body["stream_options"] == {"include_usage": True}
+
+
 @contextlib.contextmanager
 def quickstart(
     tmp_path: Path, provider: FakeProvider | str, document: str = "examples/gateway.py"
@@ -86,14 +114,22 @@ def quickstart(
     """The quickstart's gateway from ``document`` under uvicorn against ``provider`` (or the
     URL of one): its URL and its log (read it once the block has exited: uvicorn has stopped
     by then)."""
-    (tmp_path / "gateway.py").write_text(gateway_block(ROOT / document))
-    port = free_port()
     upstream = provider if isinstance(provider, str) else provider.url
+    with served(tmp_path, "gateway", gateway_block(ROOT / document), upstream) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def served(tmp_path: Path, module: str, source: str, upstream: str) -> Iterator[tuple[str, Path]]:
+    """``source`` saved as ``module``.py and served by ``uvicorn module:app`` with
+    ``UPSTREAM_URL`` set: its URL and its log."""
+    (tmp_path / f"{module}.py").write_text(source)
+    port = free_port()
     env = {**os.environ, "UPSTREAM_URL": upstream, "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "out.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "gateway:app", "--port", str(port)],
+            [sys.executable, "-m", "uvicorn", f"{module}:app", "--port", str(port)],
             cwd=tmp_path,
             env=env,
             stdout=out,
@@ -113,6 +149,55 @@ def quickstart(
         finally:
             proc.terminate()
             proc.wait(20)
+
+
+def readme_example() -> tuple[str, str, str]:
+    """README's short example: its source, and the module and app its first line serves."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(# (\w+)\.py: .*?)```", text, re.S)
+    assert len(blocks) == 1, "README.md has no single '# name.py: ...' example"
+    ((source, module),) = blocks
+    run = source.splitlines()[0]
+    assert run.endswith(f"uvicorn {module}:app"), run
+    assert "UPSTREAM_URL=" in run, run
+    return source, module, run
+
+
+@pytest.mark.server
+def test_readmes_example_relays_the_stream_and_a_hang_up_stops_the_provider(
+    tmp_path: Path,
+) -> None:
+    """README's example, served as its first line says (``UPSTREAM_URL`` pointed at
+    FakeProvider): a caller gets the whole stream with its generation id; a caller that hangs
+    up after the first token closes the upstream, and the provider stops generating."""
+    source, module, _ = readme_example()
+    tokens = 200
+    provider = FakeProvider(tokens=tokens, tokens_per_second=100)
+    headers = {"authorization": "Bearer sk-anything", "content-type": "application/json"}
+    with provider, served(tmp_path, module, source, provider.url) as (url, _):
+        whole = asyncio.run(
+            request(f"{url}/v1/chat/completions", method="POST", headers=headers, body=PLAIN_BODY)
+        )
+        cut = asyncio.run(
+            request(
+                f"{url}/v1/chat/completions",
+                method="POST",
+                headers=headers,
+                body=PLAIN_BODY,
+                disconnect_when=lambda body: b"data: " in body,
+            )
+        )
+        first, second = provider.wait_for_requests(2)
+        assert second.wait_closed(10)
+    assert whole.status == 200
+    assert whole.headers["x-generation-id"].startswith("gen_")
+    assert whole.body.endswith(b"data: [DONE]\n\n")
+    assert first.finished
+    assert first.body["messages"] == [{"role": "user", "content": "hi"}]
+    assert cut.status == 200
+    assert not cut.body.endswith(b"data: [DONE]\n\n")
+    assert second.connection_closed_early
+    assert second.tokens_generated < tokens / 2, second.tokens_generated
 
 
 @pytest.mark.server
@@ -197,14 +282,14 @@ def test_the_documented_run_leaves_time_to_press_ctrl_c(tmp_path: Path) -> None:
         quickstart(tmp_path, upstream, "docs/quickstart.md") as (url, log),
     ):
         whole = asyncio.run(
-            request(f"{url}/v1/chat/completions", method="POST", headers=headers, body=BODY)
+            request(f"{url}/v1/chat/completions", method="POST", headers=headers, body=PLAIN_BODY)
         )
         cut = asyncio.run(
             request(
                 f"{url}/v1/chat/completions",
                 method="POST",
                 headers=headers,
-                body=BODY,
+                body=PLAIN_BODY,
                 disconnect_when=lambda body: b"data: " in body,  # Ctrl-C at the first token
             )
         )
@@ -222,9 +307,9 @@ def test_the_documented_run_leaves_time_to_press_ctrl_c(tmp_path: Path) -> None:
     assert int(cancelled[1]) < tokens
 
 
-@pytest.mark.parametrize("document", ["docs/quickstart.md", "README.md"])
-def test_the_documents_show_the_example_file(document: str) -> None:
-    assert gateway_block(ROOT / document) == gateway_block(ROOT / "examples" / "gateway.py")
+def test_the_quickstart_shows_the_example_file() -> None:
+    document = ROOT / "docs" / "quickstart.md"
+    assert gateway_block(document) == gateway_block(ROOT / "examples" / "gateway.py")
 
 
 @pytest.mark.server

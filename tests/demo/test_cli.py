@@ -277,7 +277,8 @@ def test_the_demo_names_what_is_missing_and_the_one_line_that_installs_it(
     assert run.stdout == ""
     assert run.stderr == (
         f"asgi-disconnect: the demo needs {named}, which "
-        f"{'are' if ',' in named else 'is'} not installed: pip install 'asgi-disconnect[demo]'\n"
+        f"{'are' if ',' in named else 'is'} not installed: pip install -e '.[demo]' in a clone of "
+        f"asgi-disconnect (bash scripts/demo does it), else pip install {named.replace(',', '')}\n"
     )
     assert list(tmp_path.iterdir()) == []
 

@@ -1,5 +1,5 @@
 """A pytest plugin for Starlette's and FastAPI's own test suites: every app they serve is
-served through ``asgi_disconnect.install()``, as README's gateway adds it (last, so outside
+served through ``asgi_disconnect.install()``, as the quickstart's gateway adds it (last, so outside
 the app's own middleware), with idempotency and drain on.
 
 Only the outermost app of a request gets the stack, as in real use: the app the server (the

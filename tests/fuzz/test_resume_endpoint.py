@@ -2,10 +2,10 @@
 
 ``DisconnectMiddleware`` with a ``MemoryBackend``, driven in-process, with two finished
 generations (Alice's plain-text one, Bob's SSE one). Every request under ``/generations``
-either goes to the app or gets one of the documented answers (README, "Resuming"): 200, or
-a refusal in ``application/problem+json`` with its stable ``type``: 400 ``invalid-offset``,
-404 ``generation-not-found`` (or ``not-found``), 405 ``method-not-allowed``, 416
-``offset-out-of-range``. Nothing raises.
+either goes to the app or gets one of the documented answers (docs/resume.md, "The
+endpoints"): 200, or a refusal in ``application/problem+json`` with its stable ``type``:
+400 ``invalid-offset``, 404 ``generation-not-found`` (or ``not-found``), 405
+``method-not-allowed``, 416 ``offset-out-of-range``. Nothing raises.
 """
 
 from __future__ import annotations

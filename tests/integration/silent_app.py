@@ -1,4 +1,4 @@
-"""The gateway of the silent-client tests and of ``benchmarks.silent_clients``: the README
+"""The gateway of the silent-client tests and of ``benchmarks.silent_clients``: the
 quickstart's relay, through ``install()`` with idempotency and drain on, on SQLite (or bare,
 for a control), served in the server host's namespace with FakeProvider beside it; and the
 clients that read it from the client host."""

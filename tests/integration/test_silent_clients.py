@@ -1,6 +1,6 @@
 """Silent clients: a client host whose link goes down mid-stream sends no FIN and no RST.
 
-The gateway (the README quickstart's relay, through ``install()`` with idempotency and
+The gateway (the quickstart's relay, through ``install()`` with idempotency and
 drain on, SQLite) runs under a real uvicorn, hypercorn or granian in a network namespace of
 the test's own; FakeProvider runs beside it; the client reads from a second namespace over
 a veth pair that the test cuts, slows or restores (tests/integration/netns.py). Nothing here

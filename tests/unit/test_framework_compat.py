@@ -101,7 +101,7 @@ def teardown_app(events: list[str]) -> Starlette:
 async def test_a_request_cancelled_from_outside_returns_after_the_apps_cleanup(
     installed: bool, outer: str
 ) -> None:
-    """README: a cancelled request returns only after the app's finally blocks ran. An
+    """docs/behaviour.md: a cancelled request returns only after the app's finally blocks ran. An
     anyio cancel scope around the request cancels again at every await; so is the stack's
     wait for the app."""
     events: list[str] = []
