@@ -19,14 +19,29 @@ from collections.abc import Callable
 from typing import Any
 
 STATS_PATH = "/_soak/stats"
+TRIM_PATH = "/_soak/trim"
 STATS_ROUTE = f'''
 
 import asyncio as _soak_asyncio
+import ctypes as _soak_ctypes
+import gc as _soak_gc
 
 
 @app.get("{STATS_PATH}")
 async def _soak_stats() -> dict[str, int]:
     return {{"tasks": len(_soak_asyncio.all_tasks())}}
+
+
+@app.post("{TRIM_PATH}")
+async def _soak_trim() -> dict[str, bool]:
+    # What the process holds once the C allocator gave back the free memory it kept.
+    _soak_gc.collect()
+    try:
+        trim = _soak_ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return {{"trimmed": False}}
+    trim(0)
+    return {{"trimmed": True}}
 '''
 PG_PORT = 5432
 # Back to baseline: RSS may keep what allocators and caches hold after a burst (pymalloc
@@ -87,6 +102,15 @@ def streams(pid: int, port: int) -> int:
                 if local_port == port and fields[3] == "01" and fields[9] in held[1]:
                     count += 1
     return count
+
+
+def _trim(host: str, port: int) -> bool:
+    request = urllib.request.Request(f"http://{host}:{port}{TRIM_PATH}", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            return bool(json.load(reply)["trimmed"])
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _tasks(host: str, port: int) -> int | None:
@@ -152,6 +176,15 @@ class ReplicaWatch:
         for s in self.sample():
             s["mark"] = name
 
+    def trim(self) -> None:
+        """Have each replica give the C allocator's free memory back (``malloc_trim``), then
+        sample as ``trimmed``: RSS that stays is held by the process, not kept free by the
+        allocator (glibc keeps freed heap and per-thread arenas for reuse)."""
+        for replica, pid in enumerate(self.pids()):
+            if pid is not None:
+                _trim(self.host, self.ports[replica])
+        self.mark("trimmed")
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.sample()
@@ -166,15 +199,16 @@ class ReplicaWatch:
                 found = [s for s in mine if s.get("mark") == mark]
                 return found[-1] if found else None
 
-            base, after = at("baseline"), at("after")
+            base, after, trimmed = at("baseline"), at("after"), at("trimmed")
             entry: dict[str, Any] = {}
             for key in keys:
-                values = [s[key] for s in mine if s[key] is not None]
+                values = [s[key] for s in mine if s[key] is not None and s.get("mark") != "trimmed"]
                 entry[key] = {
                     "baseline": base and base[key],
                     "peak": max(values) if values else None,
                     "after": after and after[key],
                 }
+            entry["rss_mib"]["trimmed"] = trimmed and trimmed["rss_mib"]
             entry["back_to_baseline"] = _back(entry)
             out[f"replica{replica}"] = entry
         return out
@@ -183,11 +217,13 @@ class ReplicaWatch:
 def _back(entry: dict[str, Any]) -> dict[str, bool | None]:
     checks: dict[str, bool | None] = {}
     rss = entry["rss_mib"]
-    if rss["baseline"] is None or rss["after"] is None:
+    # Judged once the allocator gave its free memory back, where that was measured.
+    held = rss.get("trimmed") or rss["after"]
+    if rss["baseline"] is None or held is None:
         checks["rss_mib"] = None
     else:
         slack = max(RSS_SLACK_MIB, rss["baseline"] * RSS_SLACK_SHARE)
-        checks["rss_mib"] = rss["after"] <= rss["baseline"] + slack
+        checks["rss_mib"] = held <= rss["baseline"] + slack
     for key in ("fds", "tasks"):
         v = entry[key]
         if v["baseline"] is None or v["after"] is None:
@@ -198,12 +234,18 @@ def _back(entry: dict[str, Any]) -> dict[str, bool | None]:
 
 
 def lines(report: dict[str, Any]) -> list[str]:
-    out = ["replicas (baseline / peak / after; back to baseline):"]
+    out = [
+        "replicas (baseline / peak / after, and RSS once malloc_trim gave the allocator's free "
+        "memory back; back to baseline):"
+    ]
     for name, entry in report.items():
         parts = []
         for key in ("rss_mib", "fds", "tasks", "db_connections"):
             v = entry[key]
-            parts.append(f"{key} {_fmt(v['baseline'])}/{_fmt(v['peak'])}/{_fmt(v['after'])}")
+            part = f"{key} {_fmt(v['baseline'])}/{_fmt(v['peak'])}/{_fmt(v['after'])}"
+            if v.get("trimmed") is not None:
+                part += f" (trimmed {_fmt(v['trimmed'])})"
+            parts.append(part)
         out.append(f"  {name}: " + ", ".join(parts) + f"; {entry['back_to_baseline']}")
     return out
 

@@ -1261,6 +1261,7 @@ def main(argv: list[str] | None = None) -> int:
             open_calls = asyncio.run(settle(provider, SETTLE))
             time.sleep(QUIET)
             watch.mark("after")
+            watch.trim()
             watch.stop()
             stop_gateways(procs)
             seen = sorted(

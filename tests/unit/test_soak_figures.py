@@ -94,3 +94,34 @@ def test_a_live_client_cut_after_a_short_drop_is_a_violation() -> None:
     fig = with_usage(figures(draws, results, collections.defaultdict(list)))
     assert fig["flaps"]["not_complete_count"] == 1
     assert any("live clients cut" in v for v in soak.violations(fig))
+
+
+def _watched(after: float, trimmed: float | None) -> dict[str, Any]:
+    from benchmarks import _soak_watch
+
+    watch = _soak_watch.ReplicaWatch("127.0.0.1", [1], lambda: [], interval=1.0)
+    common = {"replica": 0, "fds": 10, "tasks": 5, "db_connections": 3, "streams": 0}
+    watch.samples = [
+        {**common, "t": 0.0, "rss_mib": 64.0, "mark": "baseline"},
+        {**common, "t": 1.0, "rss_mib": 110.0, "fds": 200},
+        {**common, "t": 2.0, "rss_mib": after, "mark": "after"},
+    ]
+    if trimmed is not None:
+        watch.samples.append({**common, "t": 3.0, "rss_mib": trimmed, "mark": "trimmed"})
+    return watch.report()
+
+
+def test_memory_is_judged_once_the_allocator_gave_its_free_memory_back() -> None:
+    """RSS that stays at the peak only until malloc_trim is the allocator's, not held; RSS
+    that stays after it is a violation, and both figures are printed."""
+    from benchmarks import _soak_watch
+
+    kept = _watched(after=109.5, trimmed=70.0)["replica0"]
+    assert kept["rss_mib"] == {"baseline": 64.0, "peak": 110.0, "after": 109.5, "trimmed": 70.0}
+    assert kept["back_to_baseline"]["rss_mib"] is True
+    held = _watched(after=109.5, trimmed=105.0)
+    assert held["replica0"]["back_to_baseline"]["rss_mib"] is False
+    (line,) = [line for line in _soak_watch.lines(held) if "replica0" in line]
+    assert "64.0/110.0/109.5 (trimmed 105.0)" in line
+    # Where nothing trimmed (not glibc), RSS after the soak is what is judged.
+    assert _watched(after=109.5, trimmed=None)["replica0"]["back_to_baseline"]["rss_mib"] is False
