@@ -27,7 +27,9 @@ field                  written by
 ``generation``         DisconnectMiddleware, at the response start
 ``log_store``          DisconnectMiddleware, with ``generation``: where its bytes are
                        read back (``follow``), those the log let go included
-``policy``             DisconnectMiddleware, when the client left
+``policy``             DisconnectMiddleware, when the client left or its owner stopped
+                       the work, else when a generation's exchange ends: the route's
+                       policy (a callable one only if it was asked)
 ``detached``           DisconnectMiddleware, when the policy detached the work
 ``disconnected``       DisconnectMiddleware, when the client left or lagged
 ``disconnect_reason``  DisconnectMiddleware, then: ``client`` (the server said it left),
@@ -249,7 +251,9 @@ class Outcome(msgspec.Struct, frozen=True, gc=False):
     ending: Ending | None
     """How the exchange ended; None while it goes on."""
     policy: Policy | None
-    """The policy applied when the client left (or by a Stop: cancel); None if it stayed."""
+    """The route's policy: the one applied when the client left, else (a Stop, nobody
+    left) the route's constant one; None for a callable policy never asked, or a request
+    that is no generation. A Stop cancels whatever the policy (``stopped_by``)."""
     detached: bool
     """The policy detached the work when its client left."""
     delivered_bytes: int

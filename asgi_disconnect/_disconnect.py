@@ -568,6 +568,14 @@ class DisconnectMiddleware:
             )
             return _POLICY_CANCEL
 
+    def declared(self, scope: Scope) -> Policy | None:
+        """The route's policy when it is a constant (None for a callable, which is asked
+        only when a client leaves): what the usage record says when nobody left."""
+        source = route_policy(scope)
+        if source is None:
+            source = self.policy
+        return source if isinstance(source, Policy) else None
+
     def owns_detached(self) -> bool:
         if self.supervisor.started:
             return True
@@ -800,7 +808,10 @@ class _Exchange:
             mw._one_ended()
         self.reader.unlink()
         self.out.unlink()
-        self.state.finish(ending)
+        state = self.state
+        if state.policy is None and self.out.generation is not None:
+            state.policy = mw.declared(self.scope)  # nobody left: the route's, for the record
+        state.finish(ending)
 
     # -- inline: a route that can only cancel runs in the request's own task -----------
 
@@ -1059,11 +1070,11 @@ class _Exchange:
                 self.outcome.interrupt_reason = _NO_LIFESPAN
                 await join(runner)
             return
-        state.policy = policy
-        generation = self.out.generation
-        if generation is not None:
-            generation.policy = policy.value
-        if reason != "error":
+        if reason != "error":  # a refused send: the route's policy stays what it is
+            state.policy = policy
+            generation = self.out.generation
+            if generation is not None:
+                generation.policy = policy.value
             mw.counters.cancelled += 1
         state.note("cancelled")
         self.move(_STAGE_CANCELLING)
@@ -1089,11 +1100,13 @@ class _Exchange:
         outcome = self.outcome
         outcome.stopped = outcome.cancelled_by_policy = True
         state = self.state
-        state.policy = _POLICY_CANCEL
+        # Cancelled, but the route's policy stays what it is: ``stopped_by`` says why.
+        if state.policy is None:
+            state.policy = self.mw.declared(self.scope)
         state.stopped_by = "owner"
         generation = self.out.generation
-        if generation is not None:
-            generation.policy = _POLICY_CANCEL.value
+        if generation is not None and state.policy is not None:
+            generation.policy = state.policy.value
         self.mw.counters.stopped += 1
         self._cancel_now(runner, "stopped")
         return True

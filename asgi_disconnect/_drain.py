@@ -4,8 +4,9 @@ A drain stops admitting new requests (503 with ``Retry-After``, problem+json ``d
 turns the readiness endpoint to 503 so the load balancer stops sending, and lets the work in
 flight end: requests, and generations that detached. Resume reads and Stops go on. At the
 deadline what still runs ends through the lifecycle's ``drain`` hooks: an event stream its
-client still reads gets an ``event: error`` frame of type ``draining`` with ``retry_after``,
-detached work ends ``interrupted`` with the prefix it produced kept.
+client still reads gets an ``event: error`` frame of type ``interrupted`` with
+``"stopped_by": "drain"`` and ``retry_after``, detached work ends ``interrupted`` with the
+prefix it produced kept.
 
 A drain starts by ``DrainMiddleware.drain``, by ``POST {drain_path}`` (a Kubernetes
 preStop hook), or by SIGTERM: the middleware takes the signal from the server (uvicorn,
@@ -59,7 +60,7 @@ class DrainMiddleware:
     at the deadline. See the module's docstring.
 
     - ``deadline``: seconds a drain gives the work in flight (a drain may pass its own);
-    - ``retry_after``: the ``Retry-After`` of refused requests and of draining frames;
+    - ``retry_after``: the ``Retry-After`` of refused requests and of a drain's frames;
     - ``ready_path``: readiness, 200 while serving, 503 while draining (None: none);
     - ``drain_path``: ``POST`` starts a drain, ``?deadline=S``, ``?wait=true`` answers
       when it is over; only with ``Authorization: Bearer {drain_token}`` (None: no

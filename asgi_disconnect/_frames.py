@@ -43,10 +43,15 @@ def error_frame(
     *,
     event_id: int | None = None,
     retry_after: int | None = None,
+    stopped_by: str | None = None,
 ) -> bytes:
-    """The SSE ``event: error`` frame that marks a stream that did not complete; a drain's
-    says after how many seconds to retry (on another replica)."""
+    """The SSE ``event: error`` frame that marks a stream that did not complete: ``code``
+    its ``type`` (how the generation ended, ``cancelled`` or ``interrupted``, or a failure's
+    error type), ``stopped_by`` what ended it (``owner``, ``drain``); a drain's says after
+    how many seconds to retry (on another replica)."""
     error: dict[str, object] = {"type": code, "message": message, "generation_id": generation_id}
+    if stopped_by is not None:
+        error["stopped_by"] = stopped_by
     if retry_after is not None:
         error["retry_after"] = retry_after
     payload = _encode({"error": error})

@@ -17,8 +17,8 @@ from ._adapters import FORMATS
 from ._aio import shielded
 from ._contract import (
     METERED_ATTRIBUTE,
+    Ending,
     Outcome,
-    Policy,
     RequestState,
     Reservations,
     UsageSink,
@@ -54,6 +54,7 @@ __all__ = [
 logger = logging.getLogger("asgi_disconnect")
 
 _OFF_LOOP_TEXT = 64 * 1024
+_ENDING_INTERRUPTED = Ending.INTERRUPTED
 # An event stream under DisconnectMiddleware is read as it is produced only for its first
 # events (its format, model and first event; Anthropic's message_start); then the generation
 # log, which holds every byte, has the rest: metering reads its end (the provider's usage,
@@ -771,6 +772,7 @@ class _Tee:
             cache_read_tokens=cache_read_tokens,
             reasoning_tokens=reasoning_tokens,
             policy=policy.value if policy is not None else None,
+            stopped_by=ended.stopped_by if ended is not None else None,
             detached=ended.detached if ended is not None else False,
             delivery=ended.delivery if ended is not None else "sent",
             usage_note=note,
@@ -802,9 +804,12 @@ class _Tee:
         if failure is None:
             return "error" if (self.status_code or 0) >= 400 else None
         if isinstance(failure, asyncio.CancelledError):
+            # The exchange's ending says which, a Stop included (``stopped_by`` says why);
+            # cancelled from outside, or no DisconnectMiddleware to tell: interrupted.
             ended = self.outcome
-            policy = ended.policy if ended is not None else None
-            return "cancelled" if policy is Policy.CANCEL else "interrupted"
+            if ended is None or ended.ending is _ENDING_INTERRUPTED or ended.ending is None:
+                return "interrupted"
+            return "cancelled"
         if getattr(failure, "error_type", None) == "truncated_stream":
             return "truncated"  # asgi_disconnect.upstream.TruncatedStream
         return "error"

@@ -142,7 +142,7 @@ class Outcome:
             elif self.cancelled_by_policy:
                 self.app = _APP_CANCELLED
                 if self.stopped:
-                    self.record_end(_STATUS_CANCELLED, STOPPED, code="cancelled")
+                    self.record_end(_STATUS_CANCELLED, STOPPED, "cancelled")
                 else:
                     self.record_end(_STATUS_CANCELLED, "cancelled after the client disconnected")
             else:
@@ -185,21 +185,29 @@ class Outcome:
         framed: bool = False,
     ) -> None:
         """End a generation that did not complete. A failed event stream, or one its owner
-        stopped, gets an error frame (``code``; ``frame`` its message, else ``error``) and a
-        proper end; any other response is left open, so the server aborts it rather than
-        end it cleanly."""
+        stopped or a drain ended, gets an error frame (``code``, its ``type``: the failure's
+        error type, else how it ended, with what stopped it; ``frame`` its message, else
+        ``error``) and a proper end; any other response is left open, so the server aborts
+        it rather than end it cleanly."""
         generation = self.out.generation
         if generation is None or not generation.running:
             return
         drained = self.drained
+        stopped_by = self.state.stopped_by
         if (status is _STATUS_FAILED or self.stopped or drained is not None) and is_event_stream(
             generation.content_type
         ):
-            if drained is not None:
-                code, frame = "draining", "The server is draining; retry on another replica."
+            if drained is not None and status is _STATUS_INTERRUPTED:
+                code, frame = "interrupted", "The server is draining; retry on another replica."
             if not framed:
                 generation.append_frame(
-                    error_frame(generation.id, code, frame or error, retry_after=drained)
+                    error_frame(
+                        generation.id,
+                        code,
+                        frame or error,
+                        retry_after=drained,
+                        stopped_by=stopped_by if status is not _STATUS_FAILED else None,
+                    )
                 )
             generation.finish(status, error)
             self.deliver_rest()

@@ -100,13 +100,19 @@ class Claim(msgspec.Struct, frozen=True, kw_only=True):
 class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     """What one request cost and what its client got.
 
-    ``outcome`` is ``complete`` (the protocol's terminal marker arrived), ``truncated``
-    (the stream ended without it), ``error`` (an error frame, an error status or an
-    exception), ``cancelled`` (the client left and the policy cancelled),
-    ``interrupted`` (shutdown or a lost owner) or ``unknown`` (the body could not be
-    analysed; then ``usage_source`` is ``"none"``). Token counts come from the provider when
-    it sent usage (``usage_source="provider"``), else are estimated from the text
-    (``"estimated"``), else unknown (``"none"``). ``produced_*`` is what the app produced;
+    ``outcome`` is how the generation ended, in the words of its status, its log line and
+    its error frame (docs/architecture.md, "How a generation ended"): ``complete`` (the
+    protocol's terminal marker arrived), ``truncated`` (the stream ended without it),
+    ``error`` (an error frame, an error status or an exception), ``cancelled`` (the client
+    left and the policy cancelled, or its owner's Stop: ``stopped_by="owner"``),
+    ``interrupted`` (a drain's deadline, ``stopped_by="drain"``; left to another replica,
+    ``"handover"``; a shutdown or a lost owner) or ``unknown`` (the body could not be
+    analysed; then ``usage_source`` is ``"none"``). ``policy`` is the route's policy
+    (``cancel``, ``detach``) whether or not the client left; None only for a callable policy
+    that was never asked (nobody left) or without DisconnectMiddleware. Token counts come
+    from the provider when it sent usage (``usage_source="provider"``), else are estimated
+    from the text (``"estimated"``), else unknown (``"none"``). ``produced_*`` is what the
+    app produced;
     ``delivered_*`` is what reached the client: with ``delivery="acked"`` what its TCP
     acknowledged (a streamed response on Linux), with ``"sent"`` what was handed to the
     server.
@@ -144,6 +150,9 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     detached: bool = False
     delivery: str = "sent"
     usage_note: str | None = None
+    stopped_by: str | None = None
+    """What ended the work, if not its client nor itself: ``owner`` (a Stop), ``drain`` (a
+    drain's deadline) or ``handover`` (left to another replica, which finishes it)."""
     attempt: int = 1
     """Which upstream call of the generation this is: 1, or the n-th after takeovers (a
     replica that finished it after its owner died), each with a record of its own."""

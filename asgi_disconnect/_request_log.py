@@ -2,7 +2,11 @@
 
 The line goes to the ``asgi_disconnect.requests`` logger at INFO, as ``text`` (``key=value``
 pairs after the id, method and route) or ``json`` (one object per line, the keys of
-``FIELDS``). It is built only when that logger is enabled for INFO.
+``FIELDS``). It is built only when that logger is enabled for INFO. Its ``end`` is the usage
+record's ``outcome``, in the words of the generation's status and its error frame; what
+stopped the work (``stopped_by``) and whether its client left (``disconnect_reason``) are
+fields of their own (docs/architecture.md, "How a generation ended"). In ``text`` a token
+count the package estimated (``usage_source="estimated"``) reads ``~72``.
 """
 
 from __future__ import annotations
@@ -12,13 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ._contract import Ending
-
 if TYPE_CHECKING:
     from ._contract import Outcome
     from ._records import UsageRecord
 
-__all__ = ["FIELDS", "FORMATS", "REQUESTS", "check_format", "how_it_ended", "log_request"]
+__all__ = ["FIELDS", "FORMATS", "REQUESTS", "check_format", "log_request"]
 
 REQUESTS = logging.getLogger("asgi_disconnect.requests")
 FORMATS = ("text", "json")
@@ -29,7 +31,9 @@ FIELDS = (
     "status_code",
     "policy",
     "end",
+    "stopped_by",
     "disconnect_reason",
+    "detached",
     "error_type",
     "model",
     "input_tokens",
@@ -53,33 +57,6 @@ def check_format(value: object) -> str | None:
     return str(value)
 
 
-def how_it_ended(record: UsageRecord, outcome: Outcome | None) -> str:
-    """``complete``, ``cancelled`` (its client left, the policy cancelled), ``detached-…``
-    (its client left, the work went on and ended so: ``detached-complete``), ``stopped``
-    (its owner's Stop), ``drained`` (a drain's deadline), ``handed-over`` (left at a
-    deadline to another replica, which finishes it), ``interrupted`` (a shutdown),
-    ``cut`` (its client left once the work was done), else the record's ``outcome``
-    (``truncated``, ``error``, ``unknown``)."""
-    if outcome is not None:
-        stopped = outcome.stopped_by
-        if stopped == "owner":
-            return "stopped"
-        if stopped == "drain":
-            return "drained"
-        if stopped == "handover":
-            return "handed-over"
-        ending = outcome.ending
-        if ending is Ending.CANCELLED:
-            return "cancelled"
-        if ending is Ending.INTERRUPTED:
-            return "interrupted"
-        if outcome.detached:
-            return "detached-" + record.outcome
-        if ending is Ending.CUT and record.outcome == "complete":
-            return "cut"
-    return record.outcome
-
-
 def fields(record: UsageRecord, outcome: Outcome | None) -> dict[str, Any]:
     """The line's values, by ``FIELDS``."""
     status = record.status_code
@@ -91,8 +68,10 @@ def fields(record: UsageRecord, outcome: Outcome | None) -> dict[str, Any]:
         "route": record.route,
         "status_code": status,
         "policy": record.policy,
-        "end": how_it_ended(record, outcome),
+        "end": record.outcome,
+        "stopped_by": record.stopped_by,
         "disconnect_reason": outcome.disconnect_reason if outcome is not None else None,
+        "detached": record.detached,
         "error_type": record.error_type,
         "model": record.model,
         "input_tokens": record.input_tokens,
@@ -113,16 +92,22 @@ def _text(values: dict[str, Any]) -> str:
         f"policy={_or_dash(values['policy'])}",
         f"end={values['end']}",
     ]
+    if values["stopped_by"] is not None:
+        line.append(f"stopped_by={values['stopped_by']}")
     if values["disconnect_reason"] is not None:
         line.append(f"disconnect={values['disconnect_reason']}")
+    if values["detached"]:
+        line.append("detached=true")
     if values["error_type"] is not None:
         line.append(f"error={values['error_type']}")
     if values["model"] is not None:
         line.append(f"model={values['model']}")
+    # An estimate says so where it is read: ``billed=~72``, not only ``usage=`` at the end.
+    mark = "~" if values["usage_source"] == "estimated" else ""
     line.append(
-        f"tokens in={_or_dash(values['input_tokens'])} "
-        f"billed={_or_dash(values['output_tokens'])} "
-        f"delivered={_or_dash(values['delivered_output_tokens'])} "
+        f"tokens in={_count(values['input_tokens'], mark)} "
+        f"billed={_count(values['output_tokens'], mark)} "
+        f"delivered={_count(values['delivered_output_tokens'], mark)} "
         f"usage={values['usage_source']}"
     )
     line.append(f"duration={values['duration']:.3f}s")
@@ -131,6 +116,10 @@ def _text(values: dict[str, Any]) -> str:
 
 def _or_dash(value: object) -> str:
     return "-" if value is None else str(value)
+
+
+def _count(value: int | None, mark: str) -> str:
+    return "-" if value is None else f"{mark}{value}"
 
 
 def log_request(form: str, record: UsageRecord, outcome: Outcome | None) -> None:

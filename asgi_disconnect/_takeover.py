@@ -375,7 +375,12 @@ class Takeover:
             # the next owner continues the log.
             if outcome != "interrupted" or error_type is not None:
                 generation.append_frame(
-                    error_frame(generation.id, error_type or "stopped", error or outcome)
+                    error_frame(
+                        generation.id,
+                        error_type or outcome,
+                        error or outcome,
+                        stopped_by="owner" if self.stopped else None,
+                    )
                 )
             generation.finish(_STATUS_OF[outcome], error)
         if outcome != "complete" and not generation.handed_over:
@@ -419,6 +424,9 @@ class Takeover:
                 started_at=started_at,
                 usage_note=note,
                 attempt=self.generation.attempt,
+                stopped_by=(
+                    "owner" if self.stopped else "handover" if self.generation.handed_over else None
+                ),
             )
         )
 

@@ -363,7 +363,7 @@ def test_a_stream_still_read_at_the_second_ctrl_c_ends_with_a_frame_that_says_wh
     last = body.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
     assert last.startswith(b"event: error\ndata: ")
     error = json.loads(last.split(b"data: ", 1)[1])["error"]
-    assert error["type"] == "draining"
+    assert error["type"] == "interrupted"
     assert error["retry_after"] == 5  # the demo's drain says when to come back
     shown = cli("generations", "show", error["generation_id"], "--backend", backend)
     assert json.loads(shown.stdout)["generation"]["status"] == "interrupted"

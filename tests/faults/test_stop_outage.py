@@ -72,7 +72,7 @@ async def test_stop_reaches_another_replica_and_an_outage_is_a_clear_503(
             info = (await client.get(f"/generations/{generation_id}", headers=AUTH)).json()
             stored = await client.get(f"/generations/{generation_id}/stream", headers=AUTH)
     assert took < 2.0, f"stopped {took:.2f} s after the Stop"
-    assert info["policy"] == "cancel"
+    assert info["policy"] == "detach"  # the route's: the Stop cancelled it, stopped_by says
     events = stored.content.count(b"data: ")
     assert 0 < events < 800, events
     body = stored.content.split(b"event: error")[0]

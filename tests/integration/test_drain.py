@@ -2,10 +2,10 @@
 
 uvicorn and hypercorn (``--workers 0``, the process that gets the signal serves) run the
 gateway in a process of their own, relaying FakeProvider. The server drains, then exits: no
-client sees a stream end without its terminal marker or a ``draining`` error frame; new
-requests meanwhile get 503 with ``Retry-After``; detached generations are ``complete`` or
-``interrupted`` with the prefix they produced, never lost (read back from SQLite after the
-process is gone).
+client sees a stream end without its terminal marker or an ``interrupted`` error frame
+(``stopped_by: drain``); new requests meanwhile get 503 with ``Retry-After``; detached
+generations are ``complete`` or ``interrupted`` with the prefix they produced, never lost
+(read back from SQLite after the process is gone).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ async def test_a_rolling_restart_cuts_no_stream(server: str, tmp_path: Path) -> 
             assert frames == [], (path, tokens)
             assert tokens == 30, "a long stream cannot have finished before the deadline"
         else:
-            assert [frame["type"] for frame in frames] == ["draining"], result.body[-300:]
+            assert [frame["type"] for frame in frames] == ["interrupted"], result.body[-300:]
             assert frames[0]["retry_after"] == 3
             assert tokens == 400
 

@@ -73,7 +73,7 @@ async def test_each_request_ends_in_one_outcome_that_agrees_with_its_usage_recor
         assert outcome.status == record.status_code == 200
     first, second, third = (ended[f"gen_o{i}"] for i in range(3))
     assert first.ending is Ending.DELIVERED
-    assert first.policy is None
+    assert first.policy is Policy.CANCEL  # the route's, though nobody left
     assert first.disconnect_reason is None
     assert first.delivered_bytes == first.produced_bytes == len(whole.body)
     assert second.ending is Ending.CANCELLED

@@ -139,7 +139,9 @@ async def test_each_request_logs_one_json_line_that_agrees_with_its_usage_record
             "status_code",
             "policy",
             "end",
+            "stopped_by",
             "disconnect_reason",
+            "detached",
             "error_type",
             "model",
             "input_tokens",
@@ -157,12 +159,15 @@ async def test_each_request_logs_one_json_line_that_agrees_with_its_usage_record
         assert values["delivered_output_tokens"] == record.delivered_output_tokens
         assert values["input_tokens"] == record.input_tokens
         assert values["usage_source"] == record.usage_source
+        assert values["end"] == record.outcome
+        assert values["policy"] == record.policy
         assert values["route"] == record.route
         assert values["status_code"] == 200
         assert values["duration"] == round(record.duration, 3)
     first = logged[whole.headers["x-generation-id"]]
     assert first["end"] == "complete"
-    assert first["policy"] is None
+    assert first["policy"] == "cancel"  # the route's, though nobody left
+    assert first["detached"] is False
     assert first["output_tokens"] == first["delivered_output_tokens"] == 60
     assert first["usage_source"] == "provider"
     second = logged[cut.headers["x-generation-id"]]
@@ -171,8 +176,10 @@ async def test_each_request_logs_one_json_line_that_agrees_with_its_usage_record
     assert second["disconnect_reason"] == "client"
     assert second["delivered_output_tokens"] <= second["output_tokens"] < 60  # it stopped
     third = logged[left.headers["x-generation-id"]]
-    assert third["end"] == "detached-complete"
+    assert third["end"] == "complete"
     assert third["policy"] == "detach"
+    assert third["detached"] is True
+    assert third["disconnect_reason"] == "client"
     assert third["output_tokens"] == 60
     assert third["delivered_output_tokens"] < 60
 
@@ -193,9 +200,11 @@ async def test_the_text_line_says_cancelled_with_the_records_figures(tmp_path: P
     text = line.getMessage()
     assert text.startswith(f"{cut.headers['x-generation-id']} POST /chat status=200 ")
     assert " policy=cancel end=cancelled disconnect=client " in text
+    # Cancelled, the provider's usage never came: the counts are estimates, and say so.
+    assert record.usage_source == "estimated"
     assert (
-        f" tokens in={record.input_tokens} billed={record.output_tokens} "
-        f"delivered={record.delivered_output_tokens} usage={record.usage_source} "
+        f" tokens in=~{record.input_tokens} billed=~{record.output_tokens} "
+        f"delivered=~{record.delivered_output_tokens} usage=estimated "
     ) in text
     assert record.delivered_output_tokens is not None
     assert record.output_tokens is not None

@@ -394,6 +394,7 @@ async def test_a_drain_hands_a_detached_report_over_instead_of_interrupting_it(
     assert sorted(record.attempt for record in records) == [1, 2]
     first = next(record for record in records if record.attempt == 1)
     assert first.outcome == "interrupted"
+    assert (first.stopped_by, first.policy) == ("handover", "detach")
 
 
 async def test_on_sqlite_a_restarted_process_finishes_its_files_generation(

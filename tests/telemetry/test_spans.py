@@ -311,7 +311,8 @@ async def test_a_drain_shows_on_the_span_of_the_stream_it_ended(telemetry: Telem
         await drain.drain(0.2)
         result = await stream
         refused = await drive(app, method="POST", path="/v1/chat/completions")
-    assert b'"type":"draining"' in result.body
+    assert b'"type":"interrupted","message":"The server is draining' in result.body
+    assert b'"stopped_by":"drain"' in result.body
     assert refused.status == 503
     ended, refusal = telemetry.finished()
     assert "asgi_disconnect.drained" in [event.name for event in ended.events]

@@ -149,7 +149,7 @@ async def test_while_draining_new_requests_get_503_and_work_in_flight_finishes()
     assert record.outcome == "complete"
 
 
-async def test_at_the_deadline_streams_get_a_draining_frame_detached_work_is_interrupted() -> None:
+async def test_at_the_deadline_streams_get_an_interrupted_frame_and_detached_work_ends() -> None:
     records: list[UsageRecord] = []
     backend = MemoryBackend()
     app, drain = app_with(records, backend, deadline=0.3, retry_after=7)
@@ -165,7 +165,8 @@ async def test_at_the_deadline_streams_get_a_draining_frame_detached_work_is_int
         assert result.complete  # ended properly, not cut
         assert not result.body.endswith(DONE)
         (frame,) = frames(result.body)
-        assert frame["type"] == "draining"
+        assert frame["type"] == "interrupted"
+        assert frame["stopped_by"] == "drain"
         assert frame["retry_after"] == 7
         assert frame["generation_id"] == result.header("x-generation-id")
         info = await backend.get(result.header("x-generation-id") or "")
@@ -178,7 +179,7 @@ async def test_at_the_deadline_streams_get_a_draining_frame_detached_work_is_int
         assert detached.size > 3 * len(EVENT)  # the prefix it produced is kept
         prefix = await drive(app, path=f"/generations/{detached_id}/stream")
         assert prefix.body.startswith(EVENT * 3)
-        assert frames(prefix.body)[-1]["type"] == "draining"
+        assert frames(prefix.body)[-1]["type"] == "interrupted"
     outcomes = sorted(record.outcome for record in records)
     assert outcomes == ["interrupted", "interrupted"]
 
@@ -207,7 +208,7 @@ async def test_interrupt_ends_the_running_generations_now_and_the_drain_with_the
             result = await stream
         assert disconnect.running == 0
         (frame,) = frames(result.body)
-        assert frame["type"] == "draining"
+        assert frame["type"] == "interrupted"
         assert frame["retry_after"] == 3
         detached = await backend.get(detached_id)
         assert detached is not None
@@ -284,7 +285,7 @@ async def test_a_second_drain_answers_the_deadline_that_applies() -> None:
         assert answer["deadline"] == 2.0  # the first drain's, which cuts the streams
         assert 0 < answer["remaining"] <= 2.0
         result = await stream
-    assert frames(result.body)[-1]["type"] == "draining"
+    assert frames(result.body)[-1]["type"] == "interrupted"
 
 
 def _from(app: Any, address: str) -> Any:
@@ -396,7 +397,7 @@ async def test_a_drained_idempotent_stream_is_not_replayed_and_has_one_record() 
         await eventually(lambda: drain.in_flight == 1)
         await drain.drain()
         first = await stream
-        assert [frame["type"] for frame in frames(first.body)] == ["draining"]
+        assert [frame["type"] for frame in frames(first.body)] == ["interrupted"]
     await eventually(lambda: len(records) == 1)
     (record,) = records
     assert record.outcome == "interrupted"

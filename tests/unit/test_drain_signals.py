@@ -89,7 +89,7 @@ async def test_sigterm_drains_then_reaches_the_handler_the_process_had(how: str)
             refused = await drive(app, path="/hello")
             assert refused.status == 503
             result = await stream
-            assert [frame["type"] for frame in frames(result.body)] == ["draining"]
+            assert [frame["type"] for frame in frames(result.body)] == ["interrupted"]
             await program.wait()
             assert program.sigterms == ["after the drain"]
             assert wiring() == before

@@ -97,7 +97,7 @@ async def test_the_owner_stops_detached_work_and_it_is_recorded_cancelled() -> N
         assert stop.header("content-type") == "application/json"
         info = decoded(stop)
         assert info["status"] == "cancelled"
-        assert info["policy"] == "cancel"
+        assert info["policy"] == "detach"  # the route's: a Stop is no policy of its own
         assert upstream.closed == 1
         assert upstream.sent <= sent + 2, "the provider stops being read at once"
         await eventually(lambda: records)
@@ -110,6 +110,8 @@ async def test_the_owner_stops_detached_work_and_it_is_recorded_cancelled() -> N
     (record,) = records
     assert record.outcome == "cancelled"
     assert record.generation_id == generation_id
+    assert record.policy == "detach"
+    assert record.stopped_by == "owner"
 
 
 @pytest.mark.parametrize("inline", [False, True])
@@ -146,6 +148,33 @@ async def test_a_client_still_reading_gets_an_error_frame_when_the_owner_stops_i
     assert b"[DONE]" not in result.body
     assert records[0].outcome == "cancelled"
     assert mw.counters.stopped == 1
+
+
+async def test_a_stop_on_a_detaching_route_is_recorded_with_the_routes_policy() -> None:
+    """Its client still reads: the Stop cancels the work, and the record, the stored
+    generation and the error frame say the route detaches and its owner stopped it."""
+    upstream = Upstream()
+    records: list[UsageRecord] = []
+    app = streaming_app(upstream, events=400, interval=0.01)
+    install(app, backend=MemoryBackend(), sinks=[records.append])
+    async with lifespan(app):
+        reading = asyncio.ensure_future(drive(app, path="/report", headers=ALICE, timeout=10))
+        await eventually(lambda: upstream.sent > 5)
+        mw = next(m for m in _middlewares(app) if isinstance(m, DisconnectMiddleware))
+        (running,) = await mw.backend.recent(status="running")
+        stop = await drive(
+            app, method="POST", path=f"/generations/{running.id}/cancel", headers=ALICE
+        )
+        result = await reading
+        await eventually(lambda: records)
+    assert decoded(stop)["status"] == "cancelled"
+    assert decoded(stop)["policy"] == "detach"
+    (record,) = records
+    assert (record.outcome, record.policy, record.stopped_by) == ("cancelled", "detach", "owner")
+    assert record.detached is False  # its client stayed
+    error = msgspec.json.decode(result.body.split(b"event: error\ndata: ")[1].split(b"\n")[0])
+    assert error["error"]["type"] == "cancelled"
+    assert error["error"]["stopped_by"] == "owner"
 
 
 def _middlewares(app: Starlette) -> list[Any]:
@@ -388,10 +417,11 @@ async def test_a_client_that_leaves_while_its_stop_cancels_the_work_changes_noth
         await asyncio.wait_for(request, 5)
         stop = await stopping
         assert stop.status == 200
-        assert decoded(stop)["policy"] == "cancel"
+        assert decoded(stop)["policy"] == "detach"
         await eventually(lambda: records)
     (record,) = records
     assert record.outcome == "cancelled"
+    assert (record.policy, record.stopped_by) == ("detach", "owner")
     assert mw.counters.stopped == 1
     assert mw.counters.detached == 0
     assert mw.counters.disconnects == 1

@@ -153,10 +153,15 @@ async def test_a_taken_over_generation_can_be_stopped_and_is_recorded_cancelled(
                 assert await app.backend.request_cancel(GID)
                 status = await ended(app)
                 assert await call.await_closed(5)
+                log = b"".join([chunk async for chunk in app.backend.follow(GID, 0)])
     assert status is Status.CANCELLED
     assert call.connection_closed_early  # the provider stopped generating, and billing
     (record,) = [record for record in records if record.attempt == 2]
     assert record.outcome == "cancelled"
+    assert (record.policy, record.stopped_by) == ("detach", "owner")
+    # Its frame says it in the same words: how it ended, and what stopped it.
+    error = json.loads(log.rsplit(b"event: error\ndata: ", 1)[1].split(b"\n", 1)[0])["error"]
+    assert (error["type"], error["stopped_by"]) == ("cancelled", "owner")
 
 
 async def test_a_replica_that_drained_takes_nothing_over_while_it_shuts_down(
