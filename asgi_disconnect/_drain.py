@@ -277,10 +277,11 @@ class DrainMiddleware:
         return len(self._detached)
 
     def start_drain(
-        self, deadline: float | None = None, *, cause: str = "draining"
+        self, deadline: float | None = None, *, cause: str | None = "draining"
     ) -> asyncio.Task[None]:
-        """Start draining (once; later calls return the same drain) and return its task;
-        ``cause`` begins the one line that says what it waits for."""
+        """Start draining (once; later calls return the same drain) and return its task.
+        ``cause`` begins the one line that says what it waits for, and for how long (None:
+        the caller says it; then the drain's end is not logged either)."""
         task = self._drain_task
         if task is None:
             self.draining = True
@@ -296,17 +297,18 @@ class DrainMiddleware:
         it is over. Requests keep being refused until the process exits."""
         await asyncio.shield(self.start_drain(deadline))
 
-    async def _run(self, deadline: float, cause: str) -> None:
+    async def _run(self, deadline: float, cause: str | None) -> None:
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline
-        logger.warning(
-            "%s: waiting up to %gs for %d request(s) in flight and %d detached generation(s) "
-            "to finish, then interrupting what is left; new requests get 503",
-            cause,
-            deadline,
-            self.in_flight,
-            len(self._detached),
-        )
+        if cause is not None:
+            logger.warning(
+                "%s: waiting up to %gs for %d request(s) in flight and %d detached "
+                "generation(s) to finish, then interrupting what is left; new requests get 503",
+                cause,
+                deadline,
+                self.in_flight,
+                len(self._detached),
+            )
         lifecycle = self.lifecycle
         if lifecycle is not None:
             await lifecycle.drain(end, self.retry_after)
@@ -318,11 +320,12 @@ class DrainMiddleware:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), max(end - loop.time(), 0) + _GRACE)
         self.drained = True
-        logger.warning(
-            "drained: %d request(s) still in flight, %d detached generation(s) still running",
-            self.in_flight,
-            len(self._detached),
-        )
+        if cause is not None:
+            logger.warning(
+                "drained: %d request(s) still in flight, %d detached generation(s) still running",
+                self.in_flight,
+                len(self._detached),
+            )
 
     def suggest_drain_deadline(self, quantile: float = 0.99, headroom: float = 1.25) -> float:
         """A drain deadline from the recent requests: their ``quantile`` duration times

@@ -12,6 +12,9 @@ import threading
 
 from ._fake_provider import FakeProvider, Fault
 
+# Where it listens unless told: the demo's hint for a port taken never names it.
+PROVIDER_PORT = 8001
+
 _EPILOG = """\
 routes:
   POST /v1/chat/completions   OpenAI Chat Completions ("stream": true for SSE, ending
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8001, help="0 picks a free port")
+    parser.add_argument("--port", type=int, default=PROVIDER_PORT, help="0 picks a free port")
     parser.add_argument("--tokens", type=int, default=50, help="tokens per response")
     parser.add_argument(
         "--rate", type=float, default=200.0, help="tokens per second (0 or inf: no delay)"
