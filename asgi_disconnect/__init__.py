@@ -112,9 +112,8 @@ def install(
 ) -> None:
     """Add the package's middleware stack to a Starlette or FastAPI ``app``.
 
-    Outermost first: ``DisconnectMiddleware`` (``options``: ``backend``, a backend or its
-    URL for ``connect()``, ``policy``, ``principal``, ``resume_prefix``, ...), checked here,
-    not at the first request, then ``MeteringMiddleware`` (``sinks``,
+    Outermost first: ``DisconnectMiddleware`` (its options below, checked here, not at
+    the first request), then ``MeteringMiddleware`` (``sinks``,
     ``provider``, ``reservations``, ``tokenizer``). With ``store_usage`` (the default) each
     record is also written to the backend's usage table. ``request_log``: with each record,
     one line in the ``asgi_disconnect.requests`` logger at INFO (id, route, policy, how it
@@ -125,6 +124,29 @@ def install(
     the same ``resume_prefix``. ``telemetry`` (spans and metrics through the global
     OpenTelemetry providers), or a ``tracer_provider`` / ``meter_provider`` of one's own,
     adds ``TelemetryMiddleware`` outside them all (``pip install 'asgi-disconnect[otel]'``).
+
+    The other keyword options are ``DisconnectMiddleware``'s (see it for each in full):
+
+    - ``backend``: a backend, or its URL for ``connect()`` (default: in memory, with a
+      warning; with ``idempotency``, one in memory for both);
+    - ``policy``: ``"cancel"`` (the default), ``"detach"``, or ``(scope) -> Policy``;
+    - ``principal``: ``(scope) -> str | None``, who the caller is (default: a digest of
+      its credential headers); idempotency and telemetry use the same;
+    - ``resume_prefix``: where generations are read, resumed and stopped (default
+      ``"/generations"``; None: no endpoints);
+    - ``exclude_paths``: regular expressions of paths the stack leaves alone;
+    - ``max_lag_bytes``, ``max_lag_seconds``: how far behind a client may fall before the
+      policy applies (default 4 MiB, 30 s);
+    - ``shutdown_timeout``: seconds running generations get at shutdown (default 30);
+    - ``keep_alive``: seconds of silence before a ``: keep-alive`` comment (default 15;
+      None: none);
+    - ``resume_secret``, ``resume_token_ttl``: the key and lifetime of the signed resume
+      tokens browsers use (default: a random key per process, 300 s);
+    - ``client_timeout``: seconds a client's TCP may acknowledge nothing before it counts
+      as gone (default 10; None: off);
+    - ``upstreams``: named upstream clients this replica continues lapsed detached
+      generations with;
+    - ``takeover_sinks``: where the records of those attempts go (default: ``sinks``).
     """
     if not isinstance(telemetry, bool):
         raise TypeError(
@@ -196,3 +218,15 @@ def install(
 
 # install()'s own keywords; anything else goes to DisconnectMiddleware.
 _INSTALL_OPTIONS = tuple(inspect.signature(install).parameters)[1:-1]
+
+
+def _install_signature() -> inspect.Signature:
+    """install()'s keywords with DisconnectMiddleware's in place of ``**options``: what
+    ``help(install)`` and editors show."""
+    own = list(inspect.signature(install).parameters.values())[:-1]
+    passed = list(inspect.signature(DisconnectMiddleware).parameters.values())[1:]
+    passed[0] = passed[0].replace(annotation="Backend | str | None")  # a URL is connected
+    return inspect.signature(install).replace(parameters=[*own, *passed])
+
+
+install.__signature__ = _install_signature()  # type: ignore[attr-defined]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+import re
 from typing import Any
 
 import pytest
 from starlette.applications import Starlette
 
-from asgi_disconnect import MemoryBackend, install
+from asgi_disconnect import DisconnectMiddleware, MemoryBackend, install
 
 
 @pytest.mark.parametrize(
@@ -125,3 +127,27 @@ def test_connect_names_the_option_meant() -> None:
     )
     with pytest.raises(TypeError, match="did you mean 'max_bytes'"):
         connect("memory://", max_byte=1)
+
+
+def passed_on() -> list[str]:
+    """The options install() hands to DisconnectMiddleware."""
+    return list(inspect.signature(DisconnectMiddleware).parameters)[1:]
+
+
+def test_the_reference_lists_every_option_install_passes_on() -> None:
+    # The API reference is install()'s docstring: its list of DisconnectMiddleware's
+    # options is the one the middleware takes, none missing, none stale.
+    doc = inspect.getdoc(install) or ""
+    listed = doc.split("The other keyword options are ``DisconnectMiddleware``'s", 1)[1]
+    items = re.findall(r"^- (.*?): ", listed, flags=re.MULTILINE)
+    named = [name for item in items for name in re.findall(r"``(\w+)``", item)]
+    assert named == passed_on()
+
+
+def test_install_signature_shows_its_keyword_options() -> None:
+    parameters = inspect.signature(install).parameters
+    assert "options" not in parameters
+    assert list(parameters)[-len(passed_on()) :] == passed_on()
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(parameters.values())[1:])
+    assert parameters["backend"].annotation == "Backend | str | None"
+    assert parameters["shutdown_timeout"].default == 30.0
