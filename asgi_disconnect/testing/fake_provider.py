@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
+import sys
 import threading
 
-from ._fake_provider import FakeProvider, Fault
+from ._fake_provider import FakeProvider, Fault, logger
 
 # Where it listens unless told: the demo's hint for a port taken never names it.
 PROVIDER_PORT = 8001
@@ -113,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         background_ttl=args.background_ttl,
     )
+    # A line per call when it ends: how many tokens, and whether its client left first.
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
     with provider:
         fault = "" if provider.fault is None else f"fault {provider.fault}; "
         print(f"FakeProvider listening on {provider.url} ({fault}Ctrl-C to stop)", flush=True)
