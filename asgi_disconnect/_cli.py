@@ -340,7 +340,10 @@ async def _generations(args: argparse.Namespace, backend_url: str) -> int:
         await backend.aclose()
 
 
-_COLUMNS = ("ID", "STATUS", "POLICY", "ROUTE", "CREATED (UTC)", "BYTES", "OUTPUT TOKENS")
+_COLUMNS = (
+    "ID", "STATUS", "POLICY", "ROUTE", "CREATED (UTC)", "BYTES", "OUTPUT TOKENS", "ATTEMPT",
+    "OWNER",
+)  # fmt: skip
 
 
 def _print_list(rows: list[tuple[GenerationInfo, list[UsageRecord]]]) -> None:
@@ -360,18 +363,20 @@ def _print_list(rows: list[tuple[GenerationInfo, list[UsageRecord]]]) -> None:
         lines.append(
             (
                 info.id,
-                info.status + (f" (attempt {info.attempt})" if info.attempt > 1 else ""),
+                info.status,
                 policy,
                 record.route if record is not None else "-",
                 _readable(info.created_at),
                 str(info.size),
                 tokens,
+                str(info.attempt),
+                info.owner or "-",
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(_COLUMNS))]
     for line in lines:
         cells = [
-            cell.rjust(width) if i == 5 else cell.ljust(width)
+            cell.rjust(width) if i in (5, 7) else cell.ljust(width)
             for i, (cell, width) in enumerate(zip(line, widths, strict=True))
         ]
         print("  ".join(cells).rstrip())

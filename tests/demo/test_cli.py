@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -474,21 +475,30 @@ def test_generations_list_and_show_say_which_route_when_and_which_counts_are_est
     listed = cli("generations", "list", "--backend", backend)
     assert listed.returncode == 0, listed.stderr
     header, *rows = listed.stdout.splitlines()
-    assert header.split() == [
-        "ID", "STATUS", "POLICY", "ROUTE", "CREATED", "(UTC)", "BYTES", "OUTPUT", "TOKENS"
+    columns = [
+        "ID", "STATUS", "POLICY", "ROUTE", "CREATED (UTC)", "BYTES", "OUTPUT TOKENS", "ATTEMPT",
+        "OWNER",
     ]  # fmt: skip
-    by_id = {row.split()[0]: row for row in rows if row.startswith("gen_")}
-    complete = by_id[whole.headers["x-generation-id"]]
-    assert " /v1/chat/completions " in complete
-    assert complete.endswith(" 200")  # the provider's count, as it is
-    assert " /v1/reports " in by_id[cut_id]
-    assert "detach, detached" in by_id[cut_id]
-    cancelled = by_id[left_id]
-    assert " /v1/messages " in cancelled
-    assert cancelled.endswith(" (estimated)")
+    assert re.split(r"  +", header) == columns
+    cells = {
+        row.split()[0]: dict(zip(columns, re.split(r"  +", row.strip()), strict=True))
+        for row in rows
+        if row.startswith("gen_")
+    }
+    complete = cells[whole.headers["x-generation-id"]]
+    assert complete["ROUTE"] == "/v1/chat/completions"
+    assert complete["STATUS"] == "complete"
+    assert complete["OUTPUT TOKENS"] == "200"  # the provider's count, as it is
+    assert complete["ATTEMPT"] == "1"
+    assert re.fullmatch(r"[0-9a-f]{16}", complete["OWNER"])  # the process that produced it
+    created = datetime.strptime(complete["CREATED (UTC)"], "%Y-%m-%d %H:%M:%S")
+    assert abs(created.replace(tzinfo=UTC).timestamp() - before) < 60
+    assert cells[cut_id]["ROUTE"] == "/v1/reports"
+    assert cells[cut_id]["POLICY"] == "detach, detached"
+    cancelled = cells[left_id]
+    assert cancelled["ROUTE"] == "/v1/messages"
+    assert cancelled["OUTPUT TOKENS"].endswith(" (estimated)")
     assert rows[-1].startswith("(estimated): counted from the text, not reported by the provider")
-    created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(before))
-    assert f" {created}:" in complete
 
     shown = cli("generations", "show", left_id, "--backend", backend)
     assert shown.returncode == 0, shown.stderr
