@@ -261,10 +261,14 @@ class _PageReader:
         readers[generation_id] = self
         self.seen()
 
-        def over(_: asyncio.Task[Answered]) -> None:
+        def over(done: asyncio.Task[Answered]) -> None:
             readers.pop(generation_id, None)
             if self._timer is not None:
                 self._timer.cancel()
+            if not done.cancelled() and done.exception() is not None:
+                logger.error(
+                    "reading %s for its page failed", generation_id, exc_info=done.exception()
+                )
 
         task.add_done_callback(over)
 
