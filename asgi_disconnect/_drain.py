@@ -165,7 +165,7 @@ class DrainMiddleware:
             self.durations.append(time.monotonic() - started)
             self.in_flight -= 1
             state = scope.get(SCOPE_KEY)
-            if isinstance(state, RequestState) and state.detached and not state.finished:
+            if isinstance(state, RequestState) and not state.finished and state.progress().detached:
                 self._detached.add(state)
                 state.on_end(lambda _: self._detached.discard(state))
             idle = self._idle
