@@ -15,16 +15,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import logging
 import math
 import os
 import secrets
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ._errors import BackendUnavailable
+
+if TYPE_CHECKING:
+    from ._records import GenerationInfo, UsageRecord
 
 __all__ = ["main", "parser"]
 
@@ -228,6 +234,11 @@ def _demo(args: argparse.Namespace) -> int:
     from .testing import FakeProvider
 
     try:
+        asyncio.run(_check_store(backend_url))
+    except (ValueError, BackendUnavailable) as exc:
+        print(f"asgi-disconnect: {exc}", file=sys.stderr)
+        return 2
+    try:
         sock = listen(args.host, args.port)
     except CannotListen as exc:
         print(f"asgi-disconnect: {exc}", file=sys.stderr)
@@ -277,7 +288,19 @@ def _demo(args: argparse.Namespace) -> int:
         finally:
             if provider is not None:
                 provider.stop()
+        if not server.started:
+            return 1  # uvicorn said why
+    logging.getLogger("asgi_disconnect.demo").info("Stopped.")
     return 0
+
+
+async def _check_store(backend_url: str) -> None:
+    """Open the store and close it: one the demo cannot use is refused before its banner."""
+    from . import connect
+
+    backend = connect(backend_url)
+    await backend.open()
+    await backend.aclose()
 
 
 async def _generations(args: argparse.Namespace, backend_url: str) -> int:
@@ -287,13 +310,8 @@ async def _generations(args: argparse.Namespace, backend_url: str) -> int:
     await backend.open()
     try:
         if args.action == "list":
-            for listed in await backend.recent(args.limit, args.status):
-                print(
-                    f"{listed.id}  {listed.status:<11} {listed.policy or '-':<7} "
-                    f"{'detached' if listed.detached else '        '} {listed.size:>9} B  "
-                    f"attempt {listed.attempt}  owner {listed.owner or '-':<16}  "
-                    f"{listed.content_type or ''}"
-                )
+            listed = await backend.recent(args.limit, args.status)
+            _print_list([(info, await backend.usage_of(info.id)) for info in listed])
             return 0
         info = await backend.get(args.id)
         if info is None:
@@ -301,11 +319,11 @@ async def _generations(args: argparse.Namespace, backend_url: str) -> int:
             return 1
         if args.action == "show":
             usage = await backend.usage_of(args.id)
-            print(
-                msgspec.json.format(
-                    msgspec.json.encode({"generation": info, "usage": usage}), indent=2
-                ).decode()
-            )
+            shown = {
+                "generation": _with_iso_times(info, "created_at", "finished_at"),
+                "usage": [_with_iso_times(record, "started_at") for record in usage],
+            }
+            print(msgspec.json.format(msgspec.json.encode(shown), indent=2).decode())
             return 0
         if args.offset > info.size and info.status != "running":
             return _past_the_end(args.offset, info.size)
@@ -321,6 +339,72 @@ async def _generations(args: argparse.Namespace, backend_url: str) -> int:
         return 0
     finally:
         await backend.aclose()
+
+
+_COLUMNS = (
+    "ID", "STATUS", "POLICY", "ROUTE", "CREATED (UTC)", "BYTES", "OUTPUT TOKENS", "ATTEMPT",
+    "OWNER",
+)  # fmt: skip
+
+
+def _print_list(rows: list[tuple[GenerationInfo, list[UsageRecord]]]) -> None:
+    """One line a generation under a header: its route and output tokens are its usage
+    records' (none while it runs); a count that is an estimate says so."""
+    lines = [_COLUMNS]
+    estimated = False
+    for info, usage in rows:
+        record = usage[-1] if usage else None
+        tokens = "-"
+        if record is not None and record.output_tokens is not None:
+            tokens = str(sum(r.output_tokens or 0 for r in usage))
+            if any(r.usage_source != "provider" for r in usage):
+                tokens += " (estimated)"
+                estimated = True
+        policy = (info.policy or "-") + (", detached" if info.detached else "")
+        lines.append(
+            (
+                info.id,
+                info.status,
+                policy,
+                record.route if record is not None else "-",
+                _readable(info.created_at),
+                str(info.size),
+                tokens,
+                str(info.attempt),
+                info.owner or "-",
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(_COLUMNS))]
+    for line in lines:
+        cells = [
+            cell.rjust(width) if i in (5, 7) else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(line, widths, strict=True))
+        ]
+        print("  ".join(cells).rstrip())
+    if estimated:
+        print(
+            "(estimated): counted from the text, not reported by the provider "
+            "(generations show ID: the record's usage_note says how)"
+        )
+
+
+def _readable(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _iso(timestamp: float | None) -> str | None:
+    if timestamp is None:
+        return None
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="milliseconds")
+
+
+def _with_iso_times(record: msgspec.Struct, *names: str) -> dict[str, Any]:
+    """``record`` as its JSON object, its Unix-second times as ISO 8601 (UTC)."""
+    shown: dict[str, Any] = msgspec.to_builtins(record)
+    for name in names:
+        if name in shown:
+            shown[name] = _iso(getattr(record, name))
+    return shown
 
 
 def _past_the_end(offset: int, size: int) -> int:

@@ -33,7 +33,7 @@ from urllib.parse import parse_qsl
 
 import msgspec
 
-from ._contract import answered
+from ._contract import SCOPE_KEY, RequestState, answered
 from ._lifecycle import Lifecycle, lifecycle_of
 from ._problem import send_json, send_problem
 
@@ -117,6 +117,8 @@ class DrainMiddleware:
         self._idle: asyncio.Event | None = None
         self._retry_header = (b"retry-after", str(retry_after).encode())
         self._sigterm: SigtermHold | None = None
+        # Generations whose request is over but whose work goes on (detached), until they end.
+        self._detached: set[RequestState] = set()
 
     # -- requests -----------------------------------------------------------------------
 
@@ -163,6 +165,10 @@ class DrainMiddleware:
         finally:
             self.durations.append(time.monotonic() - started)
             self.in_flight -= 1
+            state = scope.get(SCOPE_KEY)
+            if isinstance(state, RequestState) and not state.finished and state.progress().detached:
+                self._detached.add(state)
+                state.on_end(lambda _: self._detached.discard(state))
             idle = self._idle
             if idle is not None and self.in_flight == 0:
                 idle.set()
@@ -266,15 +272,24 @@ class DrainMiddleware:
 
     # -- the drain ----------------------------------------------------------------------
 
-    def start_drain(self, deadline: float | None = None) -> asyncio.Task[None]:
-        """Start draining (once; later calls return the same drain) and return its task."""
+    @property
+    def detached(self) -> int:
+        """How many detached generations run on here, their requests over."""
+        return len(self._detached)
+
+    def start_drain(
+        self, deadline: float | None = None, *, cause: str | None = "draining"
+    ) -> asyncio.Task[None]:
+        """Start draining (once; later calls return the same drain) and return its task.
+        ``cause`` begins the one line that says what it waits for, and for how long (None:
+        the caller says it; then the drain's end is not logged either)."""
         task = self._drain_task
         if task is None:
             self.draining = True
             seconds = self.deadline if deadline is None else deadline
             loop = asyncio.get_running_loop()
             self._deadline = (seconds, loop.time() + seconds)
-            task = self._drain_task = loop.create_task(self._run(seconds))
+            task = self._drain_task = loop.create_task(self._run(seconds, cause))
         return task
 
     async def drain(self, deadline: float | None = None) -> None:
@@ -283,12 +298,18 @@ class DrainMiddleware:
         it is over. Requests keep being refused until the process exits."""
         await asyncio.shield(self.start_drain(deadline))
 
-    async def _run(self, deadline: float) -> None:
+    async def _run(self, deadline: float, cause: str | None) -> None:
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline
-        logger.warning(
-            "draining: %d request(s) in flight, deadline %.1fs", self.in_flight, deadline
-        )
+        if cause is not None:
+            logger.warning(
+                "%s: waiting up to %gs for %d request(s) in flight and %d detached "
+                "generation(s) to finish, then interrupting what is left; new requests get 503",
+                cause,
+                deadline,
+                self.in_flight,
+                len(self._detached),
+            )
         lifecycle = self.lifecycle
         if lifecycle is not None:
             await lifecycle.drain(end, self.retry_after)
@@ -300,7 +321,12 @@ class DrainMiddleware:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), max(end - loop.time(), 0) + _GRACE)
         self.drained = True
-        logger.warning("drained: %d request(s) still in flight", self.in_flight)
+        if cause is not None:
+            logger.warning(
+                "drained: %d request(s) still in flight, %d detached generation(s) still running",
+                self.in_flight,
+                len(self._detached),
+            )
 
     def suggest_drain_deadline(self, quantile: float = 0.99, headroom: float = 1.25) -> float:
         """A drain deadline from the recent requests: their ``quantile`` duration times
@@ -355,8 +381,8 @@ class DrainMiddleware:
             logger.warning("SIGTERM while draining: the server shuts down now")
             hold.hand_back()
             return
-        logger.warning("SIGTERM: draining before the server shuts down")
-        self.start_drain().add_done_callback(lambda _: hold.hand_back())
+        drain = self.start_drain(cause="SIGTERM: draining before the server shuts down")
+        drain.add_done_callback(lambda _: hold.hand_back())
 
     def _restore_signals(self) -> None:
         hold, self._sigterm = self._sigterm, None

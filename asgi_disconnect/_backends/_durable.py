@@ -261,6 +261,14 @@ class DurableBackend:
         # past ``max_pending_bytes`` the producers wait on the store, never on their clients.
         self.output = PendingBound(self._pending.pending_bytes, max_pending_bytes, self.url)
 
+    def __repr__(self) -> str:
+        # The store's URL, its password masked: a repr ends up in logs and tracebacks.
+        state = "open" if self._opened else "not open"
+        return (
+            f"<DurableBackend {self.url} ({state}): flush_interval={self.flush_interval:g}s "
+            f"lease={self.lease:g}s ttl={self.ttl:g}s>"
+        )
+
     # -- life cycle -------------------------------------------------------------------
 
     async def open(self) -> None:

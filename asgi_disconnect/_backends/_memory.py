@@ -118,6 +118,13 @@ class MemoryBackend:
         # Bound once: register() hands it to every generation.
         self._on_finish = self._generation_finished
 
+    def __repr__(self) -> str:
+        return (
+            f"<MemoryBackend memory://: {len(self._generations)} generation(s), "
+            f"{len(self._claims)} claim(s), {self._kept_bytes} of {self.max_bytes} bytes kept, "
+            f"ttl={self._ttl:g}s>"
+        )
+
     @property
     def kept_bytes(self) -> int:
         """What finished generations and completed claims keep now, by this backend's count."""

@@ -8,8 +8,9 @@ Routes:
 - ``POST /v1/reports``: long-form, OpenAI-compatible, policy ``detach``;
 - ``/generations/...``: status, resume, Stop (the stack's own);
 - ``GET /``: the web page (``?g={id}``: as that generation stands); ``POST /ask``: its form,
-  which starts a generation on ``/v1/reports`` and redirects to it; ``POST /stop``: its Stop
-  form, which stops the generation and redirects back;
+  which starts a generation on ``/v1/reports``, or on ``/v1/chat/completions`` when its
+  detach box is unchecked (read here while the page keeps reloading), and redirects to it;
+  ``POST /stop``: its Stop form, which stops the generation and redirects back;
 - ``GET /demo/usage/{id}``: a request's usage record once it is settled (404 before, and
   for another caller's), with what reached the caller over all the requests that read it;
   ``GET /demo/stats``: the live panel's figures; ``GET /demo/chart``: its chart (SVG);
@@ -21,6 +22,7 @@ cookie, which ``GET /`` sets; a request with neither is anonymous and reads noth
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -58,8 +60,17 @@ from .._problem import problem_body
 from ..upstream import UpstreamStatusError, UpstreamStreamError, open_stream
 from ._answer import read_answer
 from ._delivery import Delivery, DeliveryMiddleware
-from ._inner import call
-from ._page import METERING, RouteTokens, View, chart, cost_line, render
+from ._inner import Answered, call
+from ._page import (
+    METERING,
+    RouteTokens,
+    View,
+    billed_estimated,
+    chart,
+    cost_line,
+    delivered_estimated,
+    render,
+)
 
 if TYPE_CHECKING:
     from starlette.types import Scope
@@ -77,6 +88,8 @@ SESSION_COOKIE = "asgi_demo_session"
 # How long after a generation's end its page waits for the usage record.
 _SETTLING = 60.0
 _GENERATION = re.compile(r"gen_[A-Za-z0-9_-]{1,64}")
+# A page without JavaScript reloads every second: one not seen for this long has gone.
+_PAGE_GONE = 5.0
 
 
 def _session(scope: Scope) -> str | None:
@@ -232,6 +245,39 @@ def _chat_body(model: str, prompt: str) -> dict[str, Any]:
     }
 
 
+class _PageReader:
+    """Reads a cancel generation for a page without JavaScript, which reloads itself every
+    second: the client is the page, so when it has not been seen for ``_PAGE_GONE`` seconds
+    the reader leaves, and the policy cancels the generation."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.left = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def follow(
+        self, generation_id: str, task: asyncio.Task[Answered], readers: dict[str, _PageReader]
+    ) -> None:
+        readers[generation_id] = self
+        self.seen()
+
+        def over(done: asyncio.Task[Answered]) -> None:
+            readers.pop(generation_id, None)
+            if self._timer is not None:
+                self._timer.cancel()
+            if not done.cancelled() and done.exception() is not None:
+                logger.error(
+                    "reading %s for its page failed", generation_id, exc_info=done.exception()
+                )
+
+        task.add_done_callback(over)
+
+    def seen(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(_PAGE_GONE, self.left.set)
+
+
 class _Pages:
     """The page's routes: what the form starts, stops and shows, read back as its caller."""
 
@@ -248,6 +294,8 @@ class _Pages:
         self.delivery = delivery
         self.backend = backend
         self.app: FastAPI | None = None
+        # Cancel generations read here for a page without JavaScript, by id, while they run.
+        self.readers: dict[str, _PageReader] = {}
 
     def add_routes(self, app: FastAPI) -> None:
         self.app = app
@@ -301,6 +349,9 @@ class _Pages:
         if info is None or not caller or owner != caller:
             message = "No such generation for this page."
             return HTMLResponse(render(self.view(state="failed", message=message)), 404)
+        reader = self.readers.get(generation_id)
+        if reader is not None:
+            reader.seen()  # the page is still there
         answer = read_answer(info, await self.logged(generation_id, info.size))
         self.delivery.reached(generation_id, answer.offset)
         cost = self.cost(request.scope, generation_id)
@@ -332,11 +383,21 @@ class _Pages:
                         break
         return bytes(data[:size])
 
-    async def ask(self, request: Request, prompt: str = Form(...)) -> Response:
-        """Start the answer as the page's script would (``/v1/reports``, detach), then show
-        it: the page's address names the generation, so a reload reads on."""
+    async def ask(
+        self, request: Request, prompt: str = Form(...), detach: str | None = Form(None)
+    ) -> Response:
+        """Start the answer as the page's script would, then show it: the page's address
+        names the generation, so a reload reads on. ``detach`` checked: ``/v1/reports``,
+        left at once, running on. Unchecked: ``/v1/chat/completions`` (cancel), read here
+        for as long as the page keeps reloading itself, and left when it stops: the page
+        closed or gone elsewhere, the provider is stopped."""
         body = json.dumps(_chat_body(self.model, prompt)).encode()
-        started = await call(request.app, request.scope, "POST", "/v1/reports", body, leave=True)
+        if detach is not None:
+            started = await call(
+                request.app, request.scope, "POST", "/v1/reports", body, leave=True
+            )
+        else:
+            started = await self.read_for_page(request, body)
         generation_id = started.headers.get("x-generation-id")
         if started.status == 200 and generation_id:
             return RedirectResponse(f"/?g={generation_id}", status_code=303)
@@ -351,6 +412,36 @@ class _Pages:
         message = f"The request failed ({started.status}): {reason}"
         failed = self.view(prompt, state="failed", message=message)
         return HTMLResponse(render(failed), status_code=started.status or 502)
+
+    async def read_for_page(self, request: Request, body: bytes) -> Answered:
+        """Start a cancel generation that this process reads on the page's behalf while
+        the page reloads itself; its head, or the whole failed answer."""
+        loop = asyncio.get_running_loop()
+        head: asyncio.Future[Answered] = loop.create_future()
+        reader = _PageReader(loop)
+
+        def headed(answered: Answered) -> None:
+            if not head.done():
+                head.set_result(answered)
+
+        task = loop.create_task(
+            call(
+                request.app,
+                request.scope,
+                "POST",
+                "/v1/chat/completions",
+                body,
+                leave=reader.left,
+                on_head=headed,
+            )
+        )
+        await asyncio.wait({head, task}, return_when=asyncio.FIRST_COMPLETED)
+        answered = head.result() if head.done() else await task
+        generation_id = answered.headers.get("x-generation-id")
+        if answered.status != 200 or not generation_id:
+            return await task  # its body says why
+        reader.follow(generation_id, task, self.readers)
+        return answered
 
     async def stop(self, request: Request, g: str = Form(...)) -> Response:
         """The Stop form: stop the generation as its caller, then show the page again."""
@@ -383,11 +474,21 @@ class _Pages:
     def routes(self) -> list[RouteTokens]:
         billed: dict[str, int] = {}
         delivered: dict[str, int] = {}
+        estimated: dict[str, tuple[bool, bool]] = {}
         for record in list(self.usage.values()):
-            billed[record.route] = billed.get(record.route, 0) + (record.output_tokens or 0)
-            tokens = self.delivery.of(record)[1] or 0
-            delivered[record.route] = delivered.get(record.route, 0) + tokens
-        return [RouteTokens(route, billed[route], delivered[route]) for route in sorted(billed)]
+            route = record.route
+            billed[route] = billed.get(route, 0) + (record.output_tokens or 0)
+            tokens = self.delivery.of(record)[1]
+            delivered[route] = delivered.get(route, 0) + (tokens or 0)
+            marks = estimated.get(route, (False, False))
+            estimated[route] = (
+                marks[0] or (bool(record.output_tokens) and billed_estimated(record)),
+                marks[1] or delivered_estimated(record, tokens),
+            )
+        return [
+            RouteTokens(route, billed[route], delivered[route], *estimated[route])
+            for route in sorted(billed)
+        ]
 
     def figures(self) -> dict[str, int]:
         """The live panel's figures: the stack's counters, and output tokens over all routes."""
@@ -408,6 +509,9 @@ class _Pages:
             "detach_completed": counters.get("detach_completed", 0),
             "billed_output_tokens": sum(row.billed for row in rows),
             "delivered_output_tokens": sum(row.delivered for row in rows),
+            # Whether each sum holds an estimate (the page marks it ≈).
+            "billed_output_tokens_estimated": any(row.billed_estimated for row in rows),
+            "delivered_output_tokens_estimated": any(row.delivered_estimated for row in rows),
         }
 
     async def stats(self) -> dict[str, int]:

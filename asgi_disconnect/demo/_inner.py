@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from starlette.types import ASGIApp, Message, Scope
 
 __all__ = ["Answered", "call"]
@@ -24,10 +26,19 @@ class Answered:
 
 
 async def call(
-    app: ASGIApp, scope: Scope, method: str, path: str, body: bytes = b"", *, leave: bool = False
+    app: ASGIApp,
+    scope: Scope,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    *,
+    leave: bool | asyncio.Event = False,
+    on_head: Callable[[Answered], object] | None = None,
 ) -> Answered:
     """``method path`` on ``app`` as the caller of ``scope``. ``leave``: a 200 response is
-    left once its head arrived, as a client that goes away (under detach it runs on)."""
+    left once its head arrived, as a client that goes away (under detach it runs on); an
+    event: its body is read (and dropped) until the event is set, then left. ``on_head`` is
+    called with the status and headers once they arrived."""
     headers = [(name, value) for name, value in scope["headers"] if name in _KEPT]
     headers.append((b"content-type", b"application/json"))
     inner: Scope = {
@@ -46,7 +57,8 @@ async def call(
         "state": dict(scope.get("state", {})),
     }
     answered = Answered()
-    over = asyncio.Event()
+    reading = isinstance(leave, asyncio.Event)
+    over = leave if isinstance(leave, asyncio.Event) else asyncio.Event()
     requested = False
 
     async def receive() -> Message:
@@ -64,10 +76,13 @@ async def call(
                 name.decode("latin-1"): value.decode("latin-1")
                 for name, value in message.get("headers", [])
             }
-            if leave and answered.status == 200:
+            if on_head is not None:
+                on_head(answered)
+            if leave is True and answered.status == 200:
                 over.set()
         elif message["type"] == "http.response.body" and not over.is_set():
-            answered.body += message.get("body", b"")
+            if not (reading and answered.status == 200):
+                answered.body += message.get("body", b"")
             if not message.get("more_body", False):
                 over.set()
 

@@ -19,4 +19,6 @@ def log_config() -> dict[str, Any]:
         "level": "INFO",
         "propagate": False,
     }
+    # The demo's own FakeProvider: its calls show in the gateway's lines already.
+    config["loggers"]["asgi_disconnect.testing"] = {"level": "WARNING"}
     return config

@@ -1,9 +1,11 @@
 """The demo's web page: rendered on the server, whole without JavaScript.
 
-The form posts to ``/ask``, which starts a generation on ``/v1/reports`` (detach) and
-redirects to ``/?g={id}``: the page as the generation stands, its status, its answer so far,
-its cost once the usage record is settled, a Stop form while it runs; without JavaScript it
-reloads itself every second until there is nothing more to show. With JavaScript the page
+The form posts to ``/ask``, which starts a generation on ``/v1/reports`` (detach, the box
+checked) or ``/v1/chat/completions`` (cancel) and redirects to ``/?g={id}``: the page as the
+generation stands, its status, its answer so far, its cost once the usage record is settled,
+a Stop form while it runs; without JavaScript it reloads itself every second until there is
+nothing more to show (under cancel, a page that stops reloading has left: the generation is
+cancelled). With JavaScript the page
 streams ``/v1/reports`` or ``/v1/chat/completions`` (cancel) itself, reads on through
 ``/generations/{id}/stream`` after a reload or a lost connection (``Last-Event-ID``), stops
 with ``POST /generations/{id}/cancel``, and keeps the live panel and its chart up to date.
@@ -21,7 +23,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .. import UsageRecord
 
-__all__ = ["METERING", "RouteTokens", "View", "chart", "cost_line", "render"]
+__all__ = [
+    "ESTIMATED",
+    "METERING",
+    "RouteTokens",
+    "View",
+    "billed_estimated",
+    "chart",
+    "cost_line",
+    "delivered_estimated",
+    "render",
+]
 
 _STYLE = """
 :root { --ink: #1d232b; --muted: #5b6675; --line: #dfe3e8; --card: #f7f8fa; }
@@ -74,6 +86,8 @@ _STATS = (
     ("delivered_output_tokens", "output tokens delivered"),
 )
 METERING = "Cost: metering…"
+# Before a figure that is an estimate, not a count.
+ESTIMATED = "≈"
 
 # The page's script, a file of its own beside this module.
 _SCRIPT = (Path(__file__).parent / "page.js").read_text(encoding="utf-8")
@@ -95,7 +109,7 @@ class View:
     stats: dict[str, int] | None = None
 
     refresh: bool = False  # without JavaScript, reload: there is more to show soon
-    detach: bool = True  # the policy asked for (the page's form asks detach without JavaScript)
+    detach: bool = True  # the policy asked for: the form's checkbox, checked
 
     @property
     def running(self) -> bool:
@@ -122,7 +136,9 @@ def render(view: View) -> str:
     generation = f"Generation {view.generation_id}" if view.generation_id else ""
     stats = view.stats or {}
     cells = "".join(
-        f'<dt>{title}</dt><dd id="stat-{key}">{stats.get(key, "-")}</dd>' for key, title in _STATS
+        f'<dt>{title}</dt><dd id="stat-{key}">'
+        f"{ESTIMATED if stats.get(key + '_estimated') else ''}{stats.get(key, '-')}</dd>"
+        for key, title in _STATS
     )
     return f"""<!doctype html>
 <html lang="en">
@@ -144,7 +160,7 @@ Stop stops it either way.</p>
 <label for="prompt">Prompt</label>
 <textarea id="prompt" name="prompt">{html.escape(view.prompt)}</textarea>
 <p class="actions"><button type="submit" id="send">Send</button>
-<label><input type="checkbox" id="detach"{" checked" if view.detach else ""} disabled>
+<label><input type="checkbox" id="detach" name="detach"{" checked" if view.detach else ""}>
 keep generating if I leave (detach; unchecked: cancel)</label></p>
 </form>
 <section id="result" data-state="{view.state}" data-offset="{view.offset}">
@@ -169,19 +185,42 @@ delivered. A working cancel keeps them close.</figcaption></figure>
 """
 
 
+def billed_estimated(record: UsageRecord) -> bool:
+    """The record's token counts are not the provider's: estimated from the text, or none."""
+    return record.usage_source != "provider"
+
+
+def delivered_estimated(record: UsageRecord, delivered: int | None) -> bool:
+    """What reached the page, in tokens, is a share of the answer's, not a count: part of
+    the answer (its text's share of the tokens), or of an estimated answer."""
+    if not delivered:
+        return False
+    return billed_estimated(record) or delivered != record.output_tokens
+
+
+_SOURCES = {
+    "provider": "reported by the provider",
+    "estimated": "estimated from the text, not reported by the provider",
+    "none": "no usage known",
+}
+
+
 def cost_line(record: UsageRecord, delivered: int | None) -> str:
-    """The usage record as the page says it, with what reached the page over its requests."""
+    """The usage record as the page says it, with what reached the page over its requests;
+    a count that is an estimate is marked ≈."""
 
-    def count(n: int | None, what: str) -> str:
-        return f"unknown {what}" if n is None else f"{n} {what}"
+    def count(n: int | None, what: str, estimated: bool) -> str:
+        if n is None:
+            return f"unknown {what}"
+        return f"{ESTIMATED if estimated else ''}{n} {what}"
 
-    source = (
-        "reported by the provider" if record.usage_source == "provider" else record.usage_source
-    )
+    estimated = billed_estimated(record)
+    source = _SOURCES.get(record.usage_source, record.usage_source)
     return (
-        f"Cost: {count(record.input_tokens, 'input')} + "
-        f"{count(record.output_tokens, 'output tokens')} ({source}), "
-        f"{count(delivered, 'delivered to this page')}; outcome {record.outcome}."
+        f"Cost: {count(record.input_tokens, 'input', estimated)} + "
+        f"{count(record.output_tokens, 'output tokens', estimated)} ({source}), "
+        f"{count(delivered, 'delivered to this page', delivered_estimated(record, delivered))}"
+        f"; outcome {record.outcome}."
     )
 
 
@@ -190,6 +229,9 @@ class RouteTokens:
     route: str
     billed: int
     delivered: int
+    # Some of the route's figures are estimates, not counts: shown ≈.
+    billed_estimated: bool = False
+    delivered_estimated: bool = False
 
 
 _ROW = 46
@@ -215,16 +257,22 @@ def chart(rows: list[RouteTokens]) -> str:
         ratio = f"{row.billed / row.delivered:.2f}" if row.delivered else "n/a"
         parts.append(
             f'<g class="route" data-route="{html.escape(row.route)}" '
-            f'data-billed="{row.billed}" data-delivered="{row.delivered}">'
+            f'data-billed="{row.billed}" data-delivered="{row.delivered}" '
+            f'data-billed-estimated="{str(row.billed_estimated).lower()}" '
+            f'data-delivered-estimated="{str(row.delivered_estimated).lower()}">'
             f'<text x="0" y="{top + 15}" fill="#1d232b">{html.escape(row.route)}</text>'
             f'<text x="0" y="{top + 31}" fill="#5b6675">billed/delivered {ratio}</text>'
         )
-        for offset, value, colour in ((4, row.billed, "#9aa5b1"), (22, row.delivered, "#2f7d4f")):
+        bars = (
+            (4, row.billed, row.billed_estimated, "#9aa5b1"),
+            (22, row.delivered, row.delivered_estimated, "#2f7d4f"),
+        )
+        for offset, value, estimated, colour in bars:
             bar = round(span * value / scale)
             parts.append(
                 f'<rect x="{left}" y="{top + offset}" width="{bar}" height="14" rx="2" '
                 f'fill="{colour}"/><text x="{left + bar + 6}" y="{top + offset + 12}" '
-                f'fill="#1d232b">{value}</text>'
+                f'fill="#1d232b">{ESTIMATED if estimated else ""}{value}</text>'
             )
         parts.append("</g>")
     legend = height - 10
@@ -232,6 +280,12 @@ def chart(rows: list[RouteTokens]) -> str:
         f'<rect x="{left}" y="{legend - 10}" width="10" height="10" fill="#9aa5b1"/>'
         f'<text x="{left + 14}" y="{legend}" fill="#5b6675">billed</text>'
         f'<rect x="{left + 70}" y="{legend - 10}" width="10" height="10" fill="#2f7d4f"/>'
-        f'<text x="{left + 84}" y="{legend}" fill="#5b6675">delivered</text></svg>'
+        f'<text x="{left + 84}" y="{legend}" fill="#5b6675">delivered</text>'
     )
+    if any(row.billed_estimated or row.delivered_estimated for row in rows):
+        parts.append(
+            f'<text x="{left + 160}" y="{legend}" fill="#5b6675">'
+            f"{ESTIMATED} estimated, not counted</text>"
+        )
+    parts.append("</svg>")
     return "".join(parts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import signal
 import socket
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import uvicorn
 
 from .. import DisconnectMiddleware, DrainMiddleware
+from ..testing.fake_provider import PROVIDER_PORT
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
 __all__ = ["CannotListen", "DemoServer", "listen"]
 
 _Part = TypeVar("_Part")
+
+logger = logging.getLogger("asgi_disconnect.demo")
 
 
 class CannotListen(Exception):
@@ -54,13 +58,27 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise CannotListen(
             f"port {port} on {host} is taken ({exc.strerror}): another program listens "
-            f"there, perhaps a demo still running; pick another with --port {_another(port)}"
+            f"there, perhaps a demo still running; pick another with --port "
+            f"{_another(family, address)}"
         ) from None
     return sock
 
 
-def _another(port: int) -> int:
-    return port + 1 if 0 < port < 65535 else 8001
+def _another(family: socket.AddressFamily, address: tuple[Any, ...]) -> int:
+    """A port after ``address``'s that is free now, and not the one a FakeProvider run alone
+    listens on by default (the quickstart's upstream); 0 (any) if none is."""
+    port = address[1]
+    for candidate in range(port + 1, min(port + 20, 65536)):
+        if candidate == PROVIDER_PORT:
+            continue
+        with socket.socket(family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((address[0], candidate, *address[2:]))
+            except OSError:
+                continue
+        return candidate
+    return 0
 
 
 class _Stopping(enum.Enum):
@@ -102,17 +120,21 @@ class DemoServer(uvicorn.Server):
         drain = self._part(DrainMiddleware)
         running = disconnect.running if disconnect is not None else 0
         if disconnect is None or drain is None or not running:
+            logger.info("Stopping: no generation is running.")
             super().handle_exit(sig, frame)
             return
-        them = _count(running)
-        print(
-            f"\nStopping: {them} still running; waiting up to {drain.deadline:g} s for "
-            f"{'it' if running == 1 else 'them'} to finish (new requests get 503).\n"
-            f"Press Ctrl-C again to interrupt {'it' if running == 1 else 'them'} now: what "
-            f"{'it' if running == 1 else 'they'} produced is kept, marked interrupted.",
-            flush=True,
+        it, they = ("it", "it") if running == 1 else ("them", "they")
+        logger.info(
+            "Stopping: waiting up to %g s for %s still running to finish (new requests get 503).",
+            drain.deadline,
+            _count(running),
         )
-        drain.start_drain().add_done_callback(lambda _: self._drained(sig, frame))
+        logger.info(
+            "Press Ctrl-C again to interrupt %s now: what %s produced is kept, marked interrupted.",
+            it,
+            they,
+        )
+        drain.start_drain(cause=None).add_done_callback(lambda _: self._drained(sig, frame))
 
     def _drained(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:  # else a later Ctrl-C already handed it to uvicorn
@@ -126,10 +148,9 @@ class DemoServer(uvicorn.Server):
         # A stream still read is told, in its error frame, when to retry: the drain's answer.
         interrupted = disconnect.interrupt(drain.retry_after if drain is not None else 1)
         if interrupted:
-            print(
-                f"Interrupting {_count(interrupted)}: what was produced is kept "
-                "(status interrupted).",
-                flush=True,
+            logger.info(
+                "Interrupting %s: what was produced is kept (status interrupted).",
+                _count(interrupted),
             )
 
     def _part(self, kind: type[_Part]) -> _Part | None:

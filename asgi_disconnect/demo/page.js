@@ -175,7 +175,11 @@
   async function panel() {
     try {
       const s = await (await fetch("/demo/stats")).json();
-      for (const key of Object.keys(s)) { const cell = $("stat-" + key); if (cell) cell.textContent = s[key]; }
+      // A sum that holds an estimate is marked, as the server marks it.
+      for (const key of Object.keys(s)) {
+        const cell = $("stat-" + key);
+        if (cell) cell.textContent = (s[key + "_estimated"] ? "\u2248" : "") + s[key];
+      }
       const svg = await (await fetch("/demo/chart")).text();
       const figure = $("chart"), old = figure.querySelector("svg");
       const holder = document.createElement("div");
@@ -186,7 +190,6 @@
   }
 
   // The server rendered the page as the generation stood: read on from there, live.
-  $("detach").disabled = false;
   const existing = new URL(location.href).searchParams.get("g");
   const shown = $("result").dataset.state;
   if (existing && (shown === "waiting" || shown === "streaming")) {

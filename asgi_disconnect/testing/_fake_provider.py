@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import math
 import re
 import socket
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
     from types import TracebackType
 
 __all__ = ["GARBAGE", "FakeProvider", "Fault", "FaultKind", "ProviderRequest"]
+
+# INFO: a line per call when it ends (the provider run alone shows them).
+logger = logging.getLogger("asgi_disconnect.testing.fake_provider")
 
 OPENAI_CHAT = "openai_chat"
 ANTHROPIC_MESSAGES = "anthropic_messages"
@@ -309,6 +313,23 @@ class ProviderRequest:
             self.connection_closed_early = early
             self.closed_at = time.monotonic()
             self._signal.notify()
+        logger.info("%s", self)
+
+    def __str__(self) -> str:
+        """The call in one line, as the provider run alone logs it when it ends."""
+        ended = self.closed_at if self.closed_at is not None else time.monotonic()
+        tokens = f"{self.tokens_generated} of {self.tokens_planned} tokens"
+        if self.connection_closed_early:
+            how = f"the client left after {tokens}"
+        elif self.error_sent:
+            how = f"an error after {tokens}"
+        elif self.finished:
+            how = f"{tokens}, finished"
+        else:
+            how = f"ended after {tokens}"
+        fault = f"; fault {self.fault}" if self.fault_applied else ""
+        stream = " (stream)" if self.stream else ""
+        return f"#{self.id} {self.path}{stream}: {how} in {ended - self.started_at:.2f}s{fault}"
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
+import sys
 import threading
 
-from ._fake_provider import FakeProvider, Fault
+from ._fake_provider import FakeProvider, Fault, logger
+
+# Where it listens unless told: the demo's hint for a port taken never names it.
+PROVIDER_PORT = 8001
 
 _EPILOG = """\
 routes:
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8001, help="0 picks a free port")
+    parser.add_argument("--port", type=int, default=PROVIDER_PORT, help="0 picks a free port")
     parser.add_argument("--tokens", type=int, default=50, help="tokens per response")
     parser.add_argument(
         "--rate", type=float, default=200.0, help="tokens per second (0 or inf: no delay)"
@@ -110,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         background_ttl=args.background_ttl,
     )
+    # A line per call when it ends: how many tokens, and whether its client left first.
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
     with provider:
         fault = "" if provider.fault is None else f"fault {provider.fault}; "
         print(f"FakeProvider listening on {provider.url} ({fault}Ctrl-C to stop)", flush=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -14,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -247,9 +250,49 @@ def test_a_port_in_use_is_named_with_how_to_pick_another(tmp_path: Path) -> None
     assert busy.returncode == 2
     assert busy.stdout == ""  # no banner for a demo that does not start
     assert busy.stderr.startswith(f"asgi-disconnect: port {port} on 127.0.0.1 is taken ")
-    assert f"pick another with --port {port + 1}" in busy.stderr
+    suggested = int(busy.stderr.rsplit("pick another with --port ", 1)[1])
+    assert suggested > port
     assert "Traceback" not in busy.stderr
     assert "Errno" not in busy.stderr
+
+
+def test_the_port_suggested_is_free_and_not_the_one_fakeprovider_takes_alone(
+    tmp_path: Path,
+) -> None:
+    # The quickstart runs FakeProvider on 8001 and its app on 8000: 8000 taken is no
+    # reason to send the demo to 8001.
+    with socket.socket() as taken:
+        with contextlib.suppress(OSError):  # else another program has it: taken all the same
+            taken.bind(("127.0.0.1", 8000))
+            taken.listen()
+        busy = cli("demo", "--port", "8000", cwd=tmp_path)
+    assert busy.returncode == 2
+    assert busy.stderr.startswith("asgi-disconnect: port 8000 on 127.0.0.1 is taken ")
+    suggested = int(busy.stderr.rsplit("pick another with --port ", 1)[1])
+    assert suggested not in (8000, 8001)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", suggested))  # free when it was named
+
+
+@pytest.mark.parametrize(
+    ("backend", "said"),
+    [
+        ("sqlite:////nonexistent/dir/demo.db", "the directory /nonexistent/dir does not exist"),
+        ("postgresql://postgres@127.0.0.1:1/demo", "nothing listens at 127.0.0.1:1"),
+        ("mysql://nowhere", "unknown backend URL scheme 'mysql'"),
+    ],
+)
+def test_a_store_the_demo_cannot_use_is_refused_before_its_banner(
+    backend: str, said: str, tmp_path: Path
+) -> None:
+    if backend.startswith("postgresql") and not importlib.util.find_spec("asyncpg"):
+        pytest.skip("needs asyncpg")
+    run = cli("demo", "--port", str(free_port()), "--backend", backend, cwd=tmp_path)
+    assert run.returncode == 2
+    assert run.stdout == ""  # no banner for a demo that does not start
+    assert run.stderr.startswith("asgi-disconnect: ")
+    assert said in run.stderr
+    assert run.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize(
@@ -299,9 +342,9 @@ def test_ctrl_c_says_what_it_waits_for_and_a_second_one_interrupts_it(tmp_path: 
         demo.proc.send_signal(signal.SIGINT)
         wait_for(lambda: "Press Ctrl-C again" in demo.output(), demo.output)
         assert (
-            "Stopping: 1 generation still running; waiting up to 30 s for it to finish "
+            "INFO:     Stopping: waiting up to 30 s for 1 generation still running to finish "
             "(new requests get 503).\n"
-            "Press Ctrl-C again to interrupt it now: what it produced is kept, marked "
+            "INFO:     Press Ctrl-C again to interrupt it now: what it produced is kept, marked "
             "interrupted.\n"
         ) in demo.output()
         assert demo.proc.poll() is None  # it waits
@@ -312,8 +355,13 @@ def test_ctrl_c_says_what_it_waits_for_and_a_second_one_interrupts_it(tmp_path: 
         # Well within the 30 s it would otherwise wait (the report alone runs for hours).
         assert demo.proc.wait(20) == 0
     output = demo.output()
-    assert "Interrupting 1 generation: what was produced is kept (status interrupted)." in output
+    assert (
+        "INFO:     Interrupting 1 generation: what was produced is kept (status interrupted).\n"
+    ) in output
     assert "Traceback" not in output
+    assert "draining:" not in output  # said once, by the demo, not again by the drain
+    assert output.endswith("INFO:     Stopped.\n")
+    assert output.count("Stopped.") == 1
 
     shown = cli("generations", "show", generation_id, "--backend", backend)
     assert shown.returncode == 0, shown.stderr
@@ -353,7 +401,7 @@ def test_a_stream_still_read_at_the_second_ctrl_c_ends_with_a_frame_that_says_wh
         wait_for(lambda: b"".join(read).count(b"\n\n") >= 2, lambda: repr(read))
         demo.proc.send_signal(signal.SIGINT)
         wait_for(lambda: "Press Ctrl-C again" in demo.output(), demo.output)
-        assert "Stopping: 1 generation still running" in demo.output()
+        assert "Stopping: waiting up to 30 s for 1 generation still running" in demo.output()
         demo.proc.send_signal(signal.SIGINT)
         assert demo.proc.wait(20) == 0
         reader.join(20)
@@ -375,8 +423,9 @@ def test_ctrl_c_with_nothing_running_stops_at_once(tmp_path: Path) -> None:
     ) as demo:
         demo.proc.send_signal(signal.SIGINT)
         assert demo.proc.wait(20) == 0
-    assert "Stopping" not in demo.output()
-    assert "Traceback" not in demo.output()
+    output = demo.output()
+    assert output.endswith("INFO:     Stopping: no generation is running.\nINFO:     Stopped.\n")
+    assert "Traceback" not in output
 
 
 def test_the_demo_proxies_another_upstream_with_the_key_from_the_environment(
@@ -398,3 +447,66 @@ def test_the_demo_proxies_another_upstream_with_the_key_from_the_environment(
     banner = log.read_text()
     assert f"upstream    {upstream}" in banner
     assert "no key" not in banner
+
+
+def test_generations_list_and_show_say_which_route_when_and_which_counts_are_estimates(
+    tmp_path: Path,
+) -> None:
+    backend = f"sqlite:///{tmp_path / 'demo.db'}"
+    with running_demo("--backend", backend, "--rate", "50", log=tmp_path / "demo.log") as url:
+        before = time.time()
+        whole = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+        with httpx.stream("POST", f"{url}/v1/reports", json=CHAT, timeout=30) as cut:
+            cut_id = cut.headers["x-generation-id"]
+            for _ in cut.iter_bytes():
+                break  # the client leaves; the report goes on, detached
+        with httpx.stream("POST", f"{url}/v1/messages", json=CHAT, timeout=30) as left:
+            left_id = left.headers["x-generation-id"]
+            for _ in left.iter_bytes():
+                break  # the client leaves; cancel: no usage from the provider, an estimate
+
+        def settled() -> bool:
+            return all(
+                httpx.get(f"{url}/generations/{g}").json()["status"] != "running"
+                for g in (whole.headers["x-generation-id"], left_id, cut_id)
+            )
+
+        wait_for(settled, lambda: "still running")
+
+    listed = cli("generations", "list", "--backend", backend)
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    columns = [
+        "ID", "STATUS", "POLICY", "ROUTE", "CREATED (UTC)", "BYTES", "OUTPUT TOKENS", "ATTEMPT",
+        "OWNER",
+    ]  # fmt: skip
+    assert re.split(r"  +", header) == columns
+    cells = {
+        row.split()[0]: dict(zip(columns, re.split(r"  +", row.strip()), strict=True))
+        for row in rows
+        if row.startswith("gen_")
+    }
+    complete = cells[whole.headers["x-generation-id"]]
+    assert complete["ROUTE"] == "/v1/chat/completions"
+    assert complete["STATUS"] == "complete"
+    assert complete["OUTPUT TOKENS"] == "200"  # the provider's count, as it is
+    assert complete["ATTEMPT"] == "1"
+    assert re.fullmatch(r"[0-9a-f]{16}", complete["OWNER"])  # the process that produced it
+    created = datetime.strptime(complete["CREATED (UTC)"], "%Y-%m-%d %H:%M:%S")
+    assert abs(created.replace(tzinfo=UTC).timestamp() - before) < 60
+    assert cells[cut_id]["ROUTE"] == "/v1/reports"
+    assert cells[cut_id]["POLICY"] == "detach, detached"
+    cancelled = cells[left_id]
+    assert cancelled["ROUTE"] == "/v1/messages"
+    assert cancelled["OUTPUT TOKENS"].endswith(" (estimated)")
+    assert rows[-1].startswith("(estimated): counted from the text, not reported by the provider")
+
+    shown = cli("generations", "show", left_id, "--backend", backend)
+    assert shown.returncode == 0, shown.stderr
+    answer = json.loads(shown.stdout)
+    generation, (record,) = answer["generation"], answer["usage"]
+    for when in (generation["created_at"], generation["finished_at"], record["started_at"]):
+        assert when.endswith("+00:00")
+        assert abs(datetime.fromisoformat(when).timestamp() - before) < 60
+    assert record["usage_source"] == "estimated"
+    assert record["usage_note"].startswith("estimated")

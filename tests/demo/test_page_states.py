@@ -357,3 +357,96 @@ async def test_a_reload_under_cancel_shows_the_answer_cancelled(
         assert "outcome cancelled" in await wait_for_cost(page)
         await shot(page, tmp_path, "cancelled")
         await context.close()
+
+
+async def test_without_javascript_the_page_chooses_cancel_and_leaving_stops_the_provider(
+    tmp_path: Path, browser: Any
+) -> None:
+    with demo_server(tmp_path, tokens=400, tokens_per_second=20) as demo:
+        context = await browser.new_context(java_script_enabled=False)
+        page = await context.new_page()
+        await page.goto(demo.url)
+        assert await page.is_enabled("#detach")
+        await page.uncheck("#detach")  # a plain form field: the policy is the page's choice
+        await page.click("#send")
+        await wait_for_state(page, "streaming")
+        generation_id = await generation_of(page)
+        assert not await page.is_checked("#detach")  # the page shows the policy it asked
+        (call,) = demo.provider.requests
+        assert call.path == "/v1/chat/completions"
+        # While the page keeps reloading itself, the answer goes on.
+        first = len(await text(page, "#answer"))
+        await page.wait_for_function(
+            f"document.getElementById('answer').textContent.length > {first + 20}",
+            timeout=WAIT,
+        )
+        assert call.closed_at is None
+
+        await page.goto("about:blank")  # the reader leaves: under cancel, the provider stops
+        assert await call.await_closed(timeout=20)
+        assert call.connection_closed_early
+        assert call.tokens_generated < 400
+
+        async def cancelled() -> bool:
+            status = await context.request.get(f"{demo.url}/generations/{generation_id}")
+            return bool((await status.json())["status"] == "cancelled")
+
+        await eventually(cancelled, timeout=10, what="the generation cancelled")
+        await page.goto(f"{demo.url}/?g={generation_id}")
+        await wait_for_state(page, "failed")
+        assert "cancelled" in (await text(page, "#status")).lower()
+        assert "outcome cancelled" in await wait_for_cost(page)
+        await shot(page, tmp_path, "without-javascript-cancelled")
+        await context.close()
+
+
+async def test_without_javascript_a_cancel_answer_read_to_its_end_is_done(
+    tmp_path: Path, browser: Any
+) -> None:
+    with demo_server(tmp_path, tokens=60, tokens_per_second=60) as demo:
+        context = await browser.new_context(java_script_enabled=False)
+        page = await context.new_page()
+        await page.goto(demo.url)
+        await page.uncheck("#detach")
+        await page.click("#send")
+        await wait_for_state(page, "done")
+        assert await text(page, "#answer") == FULL
+        (call,) = demo.provider.requests
+        assert call.path == "/v1/chat/completions"
+        assert call.finished
+        cost = await wait_for_cost(page)
+        assert "outcome complete" in cost
+        await context.close()
+
+
+@pytest.mark.parametrize("scripted", [True, False], ids=["javascript", "no-javascript"])
+async def test_an_estimate_is_marked_on_the_cost_line_the_panel_and_the_chart(
+    tmp_path: Path, browser: Any, scripted: bool
+) -> None:
+    with demo_server(tmp_path, tokens=400, tokens_per_second=20) as demo:
+        context = await browser.new_context(java_script_enabled=scripted)
+        page = await context.new_page()
+        await page.goto(demo.url)
+        await page.uncheck("#detach")
+        await page.click("#send")
+        await page.wait_for_function(
+            "document.getElementById('answer').textContent.length > 20", timeout=WAIT
+        )
+        # Stopped before the provider's usage chunk: the counts are estimated from the text.
+        await page.click("#stop")
+        await wait_for_state(page, "failed")
+        cost = await wait_for_cost(page)
+        assert "(estimated from the text, not reported by the provider)" in cost
+        assert " + ≈" in cost  # the output tokens
+        assert "≈" in cost.split("), ", 1)[1]  # and what reached the page, a share of them
+        billed = "#stat-billed_output_tokens"
+        await page.wait_for_function(
+            f"document.querySelector('{billed}').textContent.startsWith('≈')", timeout=WAIT
+        )
+        route = '#chart g[data-route="/v1/chat/completions"]'
+        await page.wait_for_selector(route, timeout=WAIT)
+        assert await page.get_attribute(route, "data-billed-estimated") == "true"
+        assert "≈" in await text(page, route)
+        assert "≈ estimated, not counted" in await text(page, "#chart svg")
+        await shot(page, tmp_path, "estimated")
+        await context.close()

@@ -505,6 +505,59 @@ def test_cli_serves_until_interrupted() -> None:
         stdout.close()
 
 
+def test_run_alone_it_logs_a_line_per_call_saying_when_its_client_left() -> None:
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "asgi_disconnect.testing.fake_provider",
+            "--port",
+            "0",
+            "--tokens",
+            "40",
+            "--rate",
+            "100",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    stdout = process.stdout
+    assert stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        match = re.search(r"http://\S+", lines.get(timeout=30))
+        assert match is not None
+        url = match.group()
+        whole = httpx.post(url + OPENAI, json={"stream": True}, timeout=10)
+        assert whole.text.endswith("data: [DONE]\n\n")
+        assert re.fullmatch(
+            r"\d\d:\d\d:\d\d #1 /v1/chat/completions \(stream\): 40 of 40 tokens, "
+            r"finished in \d+\.\d\ds\n",
+            lines.get(timeout=10),
+        )
+        with httpx.stream("POST", url + OPENAI, json={"stream": True}, timeout=10) as left:
+            next(left.iter_bytes())  # the client leaves after its first bytes
+        assert re.fullmatch(
+            r"\d\d:\d\d:\d\d #2 /v1/chat/completions \(stream\): the client left after "
+            r"\d+ of 40 tokens in \d+\.\d\ds\n",
+            lines.get(timeout=10),
+        )
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=10) == 0
+        assert lines.empty()  # one line a call, no more
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+        stdout.close()
+
+
 # faults
 
 

@@ -183,3 +183,29 @@ async def test_off_the_main_thread_sigterm_is_left_to_the_server(
         assert handlers == [before[0]]
         assert wiring() == before
     assert "not in the main thread, SIGTERM is left to the server" in caplog.text
+
+
+async def test_sigterm_says_once_what_it_waits_for_detached_generations_included(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app, drain = app_with(deadline=0.5, signals=True)
+    program = Program(drain)
+    with sigterm_handler("signal.signal", program.on_sigterm):
+        async with lifespan(app):
+            # The client left; the report goes on, its request over.
+            await drive(app, path="/report", query_string=b"events=500", disconnect_after_bytes=1)
+            assert drain.in_flight == 0
+            await eventually(lambda: drain.detached == 1)
+            with caplog.at_level(logging.INFO, logger="asgi_disconnect"):
+                sigterm()
+                await program.wait()
+    said = [r.getMessage() for r in caplog.records if r.pathname.endswith("_drain.py")]
+    waits = [line for line in said if "waiting" in line]
+    assert waits == [
+        "SIGTERM: draining before the server shuts down: waiting up to 0.5s for 0 request(s) "
+        "in flight and 1 detached generation(s) to finish, then interrupting what is left; "
+        "new requests get 503"
+    ]
+    assert (
+        said[-1] == "drained: 0 request(s) still in flight, 0 detached generation(s) still running"
+    )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+import re
 from typing import Any
 
 import pytest
 from starlette.applications import Starlette
 
-from asgi_disconnect import MemoryBackend, install
+from asgi_disconnect import DisconnectMiddleware, MemoryBackend, install
 
 
 @pytest.mark.parametrize(
@@ -125,3 +127,35 @@ def test_connect_names_the_option_meant() -> None:
     )
     with pytest.raises(TypeError, match="did you mean 'max_bytes'"):
         connect("memory://", max_byte=1)
+
+
+def passed_on() -> list[str]:
+    """The options install() hands to DisconnectMiddleware."""
+    return list(inspect.signature(DisconnectMiddleware).parameters)[1:]
+
+
+def test_the_reference_lists_every_option_install_passes_on() -> None:
+    # The API reference is install()'s docstring: its list of DisconnectMiddleware's
+    # options is the one the middleware takes, none missing, none stale.
+    doc = inspect.getdoc(install) or ""
+    listed = doc.split("``DisconnectMiddleware``'s options, passed to it", 1)[1]
+    items = re.findall(r"^- (.*?): ", listed, flags=re.MULTILINE)
+    named = [name for item in items for name in re.findall(r"``(\w+)``", item)]
+    assert named == passed_on()
+
+
+def test_install_signature_shows_its_keyword_options_with_the_middlewares_defaults() -> None:
+    # The reference renders the signature as written: every option by name, no **options.
+    ours = inspect.signature(install).parameters
+    theirs = inspect.signature(DisconnectMiddleware).parameters
+    assert next(iter(ours)) == "app"
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(ours.values())[1:])
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ours.values())
+    assert list(ours)[1 : len(passed_on()) + 1] == passed_on()
+    for name in passed_on():
+        if name != "takeover_sinks":  # None: install()'s own sinks
+            assert ours[name].default == theirs[name].default, name
+    assert ours["takeover_sinks"].default is None
+    assert ours["backend"].annotation == "Backend | str | None"  # a URL is connected
+    source = inspect.getsource(inspect.unwrap(install))
+    assert "**" not in source.split(") -> None:", 1)[0]
