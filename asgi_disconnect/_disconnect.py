@@ -1029,6 +1029,9 @@ class _Exchange:
     def running_as(self, generation_id: str) -> None:
         self.mw._running[generation_id] = self
 
+    def declared_policy(self) -> Policy | None:
+        return self.mw.declared(self.scope)
+
     def hears_disconnect(self) -> bool:
         """The app's next ``receive`` answers ``http.disconnect``: its response went whole,
         or its client left and it did not detach."""

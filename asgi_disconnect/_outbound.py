@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from starlette.types import Message, Scope, Send
 
     from ._contract import Backend, RequestState, StoreRoom
+    from ._policy import Policy
     from ._reader import RequestReader
     from ._transport import ConnectionWatch, TransportMonitor
     from ._writer import LagClock
@@ -91,6 +92,11 @@ class Owner(Protocol):
 
     def client_left(self, reason: str) -> None:
         """The client is gone (``client``, ``silent``), lags, or the server refused."""
+        ...
+
+    def declared_policy(self) -> Policy | None:
+        """The route's policy when it is a constant (a callable one is asked only when a
+        client leaves)."""
         ...
 
 
@@ -238,6 +244,9 @@ class _Over:
 
     def client_left(self, reason: str) -> None:
         pass
+
+    def declared_policy(self) -> Policy | None:
+        return None
 
 
 _OVER = _Over()
@@ -601,8 +610,11 @@ class Outbound:
             status_code=message["status"],
             headers=headers,
         )
-        if state.policy is not None:
-            generation.policy = state.policy.value
+        # The route's policy from the start (the stored generation says it whether or not
+        # its client leaves), or the one applied already.
+        policy = state.policy or self.owner.declared_policy()
+        if policy is not None:
+            generation.policy = policy.value
             generation.detached = state.detached
         if state.continuation is not None:
             generation.continuation = state.continuation

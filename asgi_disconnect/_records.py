@@ -66,8 +66,10 @@ class Adopted(msgspec.Struct, frozen=True, kw_only=True):
     policy: str | None
     created_at: float
     continuation: bytes
-    # Where a sweep read it back for its lost record: how it ended (``running`` as taken).
+    # Where a sweep read it back for its lost record: how it ended (``running`` as taken),
+    # and whether its work had detached (a takeover takes detached work only).
     status: Status = Status.RUNNING
+    detached: bool = True
 
 
 class ClaimState(enum.StrEnum):

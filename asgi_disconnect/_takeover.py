@@ -113,7 +113,7 @@ def lost_attempt_record(
         error_type="owner_lost",
         started_at=lost.created_at,
         policy=lost.policy,
-        detached=lost.policy == "detach",
+        detached=lost.detached,
         usage_note=f"written by another process: its own died first; {note}",
         attempt=attempt,
     )

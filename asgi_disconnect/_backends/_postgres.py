@@ -725,7 +725,7 @@ def _statements(t: str) -> dict[str, str]:
         "lost": f"""
             select id, principal, attempt, size, status_code, content_type, policy,
                    extract(epoch from created_at)::float8, coalesce(continuation, ''::bytea),
-                   status
+                   status, detached
             from {t}generations where id = any($1::text[])""",
         "claim_owed": f"""
             update {t}generations g

@@ -17,9 +17,10 @@ __all__ = ["adopted_from_row", "claim_from_row", "encode_response", "info_from_r
 
 def adopted_from_row(row: Any) -> Adopted:
     """A generation row taken over (id, principal, attempt, size, status_code, content_type,
-    policy, created_at, continuation[, status])."""
+    policy, created_at, continuation[, status, detached])."""
     return Adopted(
         status=Status(row[9]) if len(row) > 9 else Status.RUNNING,
+        detached=bool(row[10]) if len(row) > 10 else True,
         id=row[0],
         principal=row[1],
         attempt=row[2],

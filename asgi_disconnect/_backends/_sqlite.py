@@ -457,7 +457,7 @@ class SQLiteStore:
             marks = ",".join("?" * len(ids))
             rows = db.execute(
                 "select id, principal, attempt, size, status_code, content_type, policy, "
-                "created_at, coalesce(continuation, x''), status "
+                "created_at, coalesce(continuation, x''), status, detached "
                 "from asgi_disconnect_generations "
                 f"where id in ({marks})",
                 ids,

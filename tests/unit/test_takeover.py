@@ -360,6 +360,7 @@ async def _died_owing_a_record(url: str, *, paid: bool) -> str:
     text = "".join(f"tok{i} " for i in range(24))
     try:
         generation = Generation(GID, principal="alice", content_type="text/event-stream")
+        generation.policy = "detach"  # its route's; its client never left: not detached
         generation.record_owed = True
         owner.register(generation)
         generation.append(
@@ -419,6 +420,7 @@ async def test_a_record_its_process_died_waiting_to_write_is_written_by_the_swee
     assert stored == [record]
     assert record.outcome == "complete"
     assert record.error_type == "owner_lost"
+    assert (record.policy, record.detached) == ("detach", False)
     assert record.usage_source == "estimated"
     assert record.output_tokens == round(len(text) / 4)
     assert record.usage_note is not None

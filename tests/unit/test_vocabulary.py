@@ -368,15 +368,24 @@ async def test_each_place_says_how_it_ended_in_the_tables_words(
 
 
 @pytest.mark.parametrize("route", ["/chat", "/report"])
-async def test_a_completed_routes_record_says_its_policy(route: str) -> None:
-    """Nobody left: the record still says the route's policy, not null."""
+async def test_a_completed_routes_record_says_its_policy(route: str, tmp_path: Path) -> None:
+    """Nobody left: the record still says the route's policy, not null, and so does the
+    stored generation (``GET /generations/{id}``, the CLI's list)."""
     records: list[UsageRecord] = []
-    app = streaming_app(records)
+    backend = connect(f"sqlite:///{tmp_path / 'g.db'}", flush_interval=0.02)
+    app = streaming_app(records, backend=backend)
     async with lifespan(app):
         result = await drive(app, path=route)
         await eventually(lambda: records, what="the record")
+        generation_id = result.header("x-generation-id")
+        assert generation_id is not None
+        await eventually(lambda: backend.pending_bytes() == 0, what="the flush")  # type: ignore[attr-defined]
+        info = await backend.get(generation_id)  # type: ignore[attr-defined]
     assert result.body.endswith(DONE)
     (record,) = records
     assert record.outcome == "complete"
     assert record.policy == {"/chat": "cancel", "/report": "detach"}[route]
     assert record.detached is False
+    assert info is not None
+    assert info.policy == record.policy
+    assert info.detached is False
