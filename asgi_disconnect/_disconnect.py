@@ -808,6 +808,7 @@ class _Exchange:
             mw._one_ended()
         self.reader.unlink()
         self.out.unlink()
+        self.app_run = None  # it refers back to the exchange: reference counting frees both
         state = self.state
         if state.policy is None and self.out.generation is not None:
             state.policy = mw.declared(self.scope)  # nobody left: the route's, for the record

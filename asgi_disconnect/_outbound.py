@@ -325,12 +325,15 @@ class Outbound:
         return (writer.delivery if writer is not None else self.delivery) is _DELIVERY_DONE
 
     def unlink(self) -> None:
-        """The exchange ended: let go of it (reference counting frees both)."""
+        """The exchange ended: let go of it and of the keep-alive (reference counting frees
+        them all)."""
         self.owner = _OVER
+        self.stop_keep_alive()
 
     def stop_keep_alive(self) -> None:
-        if self.keep_alive is not None:
-            self.keep_alive.stop()
+        keep_alive, self.keep_alive = self.keep_alive, None
+        if keep_alive is not None:
+            keep_alive.stop()
 
     async def app_send(self, message: Message) -> None:
         kind = message["type"]

@@ -174,8 +174,10 @@ class RequestReader:
         self._give()
 
     def unlink(self) -> None:
-        """The exchange ended: let go of it (reference counting frees both)."""
+        """The exchange ended: let go of it and of the watch (reference counting frees them
+        all: a cancelled watch's traceback holds its frame, which holds this reader)."""
         self.owner = _OVER
+        self.task = None
 
     def _give(self) -> None:
         waiter = self.inbox_waiter

@@ -445,6 +445,10 @@ class ClientWriter:
             self.direct = False
             self._free_room()
             clock.end(self)
+            # A cancellation's traceback keeps this frame, and the task keeps the traceback:
+            # let go of the writer here, or writer, task and frame wait for the cyclic
+            # collector (asyncio's transports do the same).
+            self = None  # type: ignore[assignment]
 
     async def _send_backlog(self) -> None:
         """Send the client the next part of what memory released before it got there, read

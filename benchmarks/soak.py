@@ -781,6 +781,9 @@ def figures(
         "usage_sources": dict(sources),
         "differences": differences[:20],
         "byte_differences": byte_differences[:20],
+        "byte_differences_by_kind": dict(
+            collections.Counter(b["kind"].split("/")[0] for b in byte_differences)
+        ),
     }
 
     # Detach: the store's generations, and the provider's calls whose client left.
@@ -1094,7 +1097,8 @@ def summary(args: argparse.Namespace, rates: list[int | None], fig: dict[str, An
         f"{u['records_per_generation_in_usage_table']}; without a record: "
         f"{u['stored_generations_without_record']}",
         f"  record's delivered bytes against the bytes received: "
-        f"{u['delivered_bytes_record_vs_received']}",
+        f"{u['delivered_bytes_record_vs_received']} (differ by behaviour: "
+        f"{u.get('byte_differences_by_kind', {})}; a resume's bytes are its reload's)",
         f"  record's delivered tokens against the receipt: {u['delivered_record_vs_receipt']}",
         f"  record's output tokens against the provider's call: {u['output_record_vs_provider']}"
         f" (usage_source {u['usage_sources']})",

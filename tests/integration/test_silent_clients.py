@@ -299,6 +299,33 @@ async def test_a_link_that_drops_for_3_s_and_comes_back_keeps_its_stream(
     assert record.delivered_output_tokens == record.output_tokens
 
 
+async def test_a_link_that_comes_back_after_the_answer_ended_is_counted_whole(
+    tmp_path: Path,
+) -> None:
+    """The link drops for longer than half of client_timeout (10 s), the answer ends during
+    the drop, and when the link is back the client reads the rest and closes at once,
+    before the transport is sampled again: its record says it got everything."""
+    with served("uvicorn", tmp_path) as setup:
+        cable, provider, records = setup.cable, setup.provider, setup.records
+        headers, body = body_json(tokens=60, rate=30)
+        reader = await setup.open("/v1/chat/completions", headers, body)
+        await reader.wait_bytes(1, 10)
+        await asyncio.sleep(0.3)
+        cable.cut()
+        (call,) = provider.requests
+        assert await call.await_closed(10)
+        assert call.finished
+        await asyncio.sleep(6.5)
+        cable.restore()
+        await reader.wait_done(30)
+        reader.close()  # as a phone does once its answer is read
+        assert reader.complete
+        await eventually(lambda: records, 10, "a usage record")
+    (record,) = records
+    assert record.outcome == "complete"
+    assert record.delivered_bytes == record.produced_bytes == len(reader.body)
+
+
 def _owed(database: Path, generation_id: str) -> tuple[int, str] | None:
     """The generation's stored row: whether its usage record is owed, and its status."""
     with contextlib.closing(sqlite3.connect(database)) as db:
