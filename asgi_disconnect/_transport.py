@@ -255,6 +255,7 @@ class ConnectionWatch:
         "on_settled",
         "owed_since",
         "request",
+        "sampled_at",
         "sizes",
     )
 
@@ -287,6 +288,7 @@ class ConnectionWatch:
         # not acknowledged: it has been silent no longer than since then, whatever the age
         # of its last acknowledgement (old after a long first token, with nothing owed).
         self.owed_since: float | None = None
+        self.sampled_at: float | None = None  # loop time of ``last``, once sampled here
 
     def handed_other(self, size: int) -> None:
         """A body message of ``size`` bytes that is not the app's output (a keep-alive)."""
@@ -513,6 +515,8 @@ class TransportMonitor:
             self._gone(watch)
             return
         watch.update(sample)
+        assert self._loop is not None
+        watch.sampled_at = self._loop.time()
         if prune and len(watch.sizes) > _PRUNE_AT:
             watch.acked_body  # noqa: B018 - works out what is acknowledged, and forgets it
         if not sample.queued:
@@ -533,13 +537,21 @@ class TransportMonitor:
             self._dead(watch)
 
     def _gone(self, watch: ConnectionWatch) -> None:
-        """The connection closed. A peer that had stopped acknowledging is counted by its
-        last sample (and is dead); one that closed while it acknowledged got the rest (its
-        close, or the server's after the response, came behind it)."""
+        """The connection closed. A peer silent long enough for the kernel to have ended it
+        (the listener's TCP_USER_TIMEOUT is ``client_timeout``) is counted by its last sample
+        (and is dead); one that closed sooner talked until it closed: it got the rest (its
+        close, or the server's after the response, came behind it). Silent since it last
+        acknowledged, or since it first owed bytes, whichever is later (a long first token
+        owes nothing), up to now: a link back after a drop, the rest read and the connection
+        closed between two samples, is not a dead peer."""
         last = watch.last
-        looked_dead = last.queued and last.last_ack_ms >= 1000 * min(
-            self.client_timeout / 2, max(0.0, self.client_timeout - 2 * self.interval)
-        )
+        silent = last.last_ack_ms / 1000
+        sampled_at, owed_since = watch.sampled_at, watch.owed_since
+        if sampled_at is not None and self._loop is not None:
+            if owed_since is not None:
+                silent = min(silent, sampled_at - owed_since + self.interval)
+            silent += self._loop.time() - sampled_at
+        looked_dead = last.queued and silent >= max(0.0, self.client_timeout - 2 * self.interval)
         if looked_dead:
             watch.final = True
             self._dead(watch)

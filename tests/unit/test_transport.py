@@ -100,6 +100,36 @@ def test_a_time_wait_socket_acknowledged_everything_and_a_closing_peer_is_final(
     assert closing.acked_body == 5
 
 
+async def test_a_connection_gone_is_a_dead_peer_only_after_a_silence_the_kernel_ends() -> None:
+    """Gone between two samples: a peer last seen owing bytes for 6 s of a 10 s timeout
+    (a link back after a drop, the rest read, the connection closed) got the rest; one owing
+    for 9 s was ended by the kernel's user timeout (dead, counted by its last sample); a
+    long first token's old acknowledgement is no silence when it owed nothing until then."""
+    from asgi_disconnect._transport import TransportMonitor
+
+    monitor = TransportMonitor(client_timeout=10.0)
+    monitor._loop = asyncio.get_running_loop()
+    now = monitor._loop.time()
+
+    def gone(*, owed_for: float, last_ack_ms: int) -> ConnectionWatch:
+        w = watch(base=0)
+        w.sizes.extend([100, 100])
+        w.update(sample(105, queued=100, last_ack_ms=last_ack_ms))  # the first chunk
+        w.sampled_at, w.owed_since = now - 0.5, now - 0.5 - owed_for
+        monitor._gone(w)
+        return w
+
+    back = gone(owed_for=6.0, last_ack_ms=6000)
+    assert not back.dead
+    assert back.acked_body == 200
+    dead = gone(owed_for=9.0, last_ack_ms=9000)
+    assert dead.dead
+    assert dead.acked_body == 100
+    thinking = gone(owed_for=1.5, last_ack_ms=14000)  # silent 14 s, owing for 1.5 s of it
+    assert not thinking.dead
+    assert thinking.acked_body == 200
+
+
 @pytest.fixture
 def connection() -> Iterator[tuple[socket.socket, socket.socket]]:
     with socket.socket() as listener:
