@@ -422,10 +422,12 @@ async def test_on_sqlite_a_restarted_process_finishes_its_files_generation(
     )
     stdout, _ = await listed.communicate()
     assert listed.returncode == 0
-    (line,) = [line for line in stdout.decode().splitlines() if generation_id in line]
-    assert "complete" in line
-    assert "attempt 2" in line
-    assert re.search(r"owner [0-9a-f]{16}", line)  # the process that finished it
+    lines = stdout.decode().splitlines()
+    (line,) = [line for line in lines if generation_id in line]
+    columns = dict(zip(re.split(r"\s{2,}", lines[0]), re.split(r"\s{2,}", line), strict=True))
+    assert columns["STATUS"] == "complete"
+    assert columns["ATTEMPT"] == "2"
+    assert re.fullmatch(r"[0-9a-f]{16}", columns["OWNER"])  # the process that finished it
 
 
 async def test_a_refused_prefill_without_a_fallback_ends_interrupted_with_the_reason(
