@@ -749,11 +749,10 @@ class _ClaimedRequest:
             _key_state.reset(token)
             state = self.scope.get("asgi_disconnect")
             ttl = self.route_ttl()
+            detached = isinstance(state, RequestState) and state.progress().detached
             if self.settled:
                 heartbeat.cancel()
-            elif isinstance(state, RequestState) and (
-                (state.progress().detached and not failure) or _whole(state)
-            ):
+            elif isinstance(state, RequestState) and ((detached and not failure) or _whole(state)):
                 # The generation outlives this request, or it ended whole while its client
                 # could not take it all (a phone gone silent, then cut): the generation is
                 # the answer, stored once it has ended, so a retry never pays twice.
@@ -762,7 +761,7 @@ class _ClaimedRequest:
                     middleware.pending_settles.start(self.detached_ending(state, ttl))
 
                 state.on_end(ended)
-                if state.progress().detached and not middleware.attach:
+                if detached and not middleware.attach:
                     # Known with the claim, a replica that takes the generation over (its
                     # process died) settles the claim with it, so a retry never pays twice.
                     middleware._note_generation(
@@ -866,9 +865,10 @@ class _ClaimedRequest:
         return _Settle(self.principal, self.key, self.owner, stored, ttl)
 
     async def detached_ending(self, state: RequestState, ttl: float) -> _Settle:
-        """How the claim of work that detached ends: its whole generation, read back from
-        the store that logs it (the request's ``log_store``) where memory released it, is
-        the response to store."""
+        """How the claim ends when the generation is the answer (its work detached, or it
+        ended whole while its client could not take it all): the whole generation, read back
+        from the store that logs it (the request's ``log_store``) where memory released it,
+        is the response to store."""
         generation = state.generation
         chunks: list[bytes] | None = None
         if generation is not None and generation.status == Status.COMPLETE:

@@ -113,22 +113,27 @@ def streams(pid: int, port: int) -> int:
     return count
 
 
-def _trim(host: str, port: int) -> bool:
-    request = urllib.request.Request(f"http://{host}:{port}{TRIM_PATH}", method="POST")
+def _ask(host: str, port: int, path: str, method: str = "GET", timeout: float = 1.0) -> Any:
+    """The gateway's JSON answer on ``path``; None if it gave none."""
+    request = urllib.request.Request(f"http://{host}:{port}{path}", method=method)
     try:
-        with urllib.request.urlopen(request, timeout=5) as reply:
-            return bool(json.load(reply)["trimmed"])
-    except (OSError, ValueError, KeyError):
-        return False
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return json.load(reply)
+    except (OSError, ValueError):
+        return None
+
+
+def _trim(host: str, port: int) -> bool:
+    answer = _ask(host, port, TRIM_PATH, "POST", timeout=5.0)
+    return bool(answer and answer.get("trimmed"))
 
 
 def _stats(host: str, port: int) -> tuple[int | None, int | None]:
     """The gateway's tasks and CPython's allocated blocks (None, None: no answer)."""
+    answer = _ask(host, port, STATS_PATH)
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}{STATS_PATH}", timeout=1) as reply:
-            stats = json.load(reply)
-        return int(stats["tasks"]), int(stats["blocks"])
-    except (OSError, ValueError, KeyError):
+        return int(answer["tasks"]), int(answer["blocks"])
+    except (TypeError, KeyError, ValueError):
         return None, None
 
 

@@ -6,38 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from asgi_disconnect import disconnect_policy, install
+from asgi_disconnect import install
 from asgi_disconnect.testing import drive, lifespan
+from benchmarks.retained import chat, report
 
 pytestmark = pytest.mark.anyio
-
-EVENT = b'data: {"choices":[{"delta":{"content":"tok "}}]}\n\n'
-END = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":20}}\n\ndata: [DONE]\n\n'
-
-
-async def _events() -> AsyncIterator[bytes]:
-    for _ in range(20):
-        yield EVENT
-        await asyncio.sleep(0)
-    yield END
-
-
-async def chat(request: Request) -> StreamingResponse:
-    return StreamingResponse(_events(), media_type="text/event-stream")
-
-
-@disconnect_policy("detach")
-async def report(request: Request) -> StreamingResponse:
-    return StreamingResponse(_events(), media_type="text/event-stream")
 
 
 @pytest.mark.parametrize("path", ["/chat", "/report"])
