@@ -83,9 +83,11 @@ class SQLWrites(Protocol):
     async def lost(self, ids: list[str]) -> list[Adopted]:
         """The rows of generations a sweep interrupted (their continuation b"" if none)."""
 
-    async def claim_owed(self, owner: str, lease: float, limit: int) -> list[str]:
-        """Make ``owner`` the owner of up to ``limit`` ended generations whose usage record
-        was owed when their lease lapsed (their process died waiting to write it)."""
+    async def claim_owed(self, lease: float, limit: int) -> list[str]:
+        """Hold for ``lease`` seconds up to ``limit`` ended generations whose usage record
+        was owed when their lease lapsed (their process died waiting to write it), for the
+        caller to write. Each keeps its owner: no heartbeat of the caller renews the hold,
+        so a mark its record's flush has not cleared by then goes to the next sweep."""
 
     async def take_over(
         self, owner: str, lease: float, limit: int, upstreams: list[str], max_attempts: int
@@ -433,7 +435,7 @@ class DurableBackend:
                         logger.warning(
                             "generation %s interrupted: its owner is gone", generation_id
                         )
-                    owed = await self.store.claim_owed(self.owner, self.lease, _OWED_AT_ONCE)
+                    owed = await self.store.claim_owed(self.lease, _OWED_AT_ONCE)
                     for generation_id in owed:
                         logger.warning(
                             "generation %s: its owner died before writing its usage record; "

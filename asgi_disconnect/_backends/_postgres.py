@@ -341,8 +341,8 @@ class PostgresStore:
         )
         return [row[0] for row in rows]
 
-    async def claim_owed(self, owner: str, lease: float, limit: int) -> list[str]:
-        rows = await self.pool.fetch(self._sql["claim_owed"], owner, lease, limit)
+    async def claim_owed(self, lease: float, limit: int) -> list[str]:
+        rows = await self.pool.fetch(self._sql["claim_owed"], lease, limit)
         return [row[0] for row in rows]
 
     async def lost(self, ids: list[str]) -> list[Adopted]:
@@ -728,12 +728,14 @@ def _statements(t: str) -> dict[str, str]:
                    status, detached
             from {t}generations where id = any($1::text[])""",
         "claim_owed": f"""
+            -- Held, not owned: the holder's heartbeat (which renews what its owner owes)
+            -- must not keep a mark whose record it failed to make from the next sweep.
             update {t}generations g
-            set owner = $1, lease_until = now() + make_interval(secs => $2)
+            set lease_until = now() + make_interval(secs => $1)
             from (
                 select id from {t}generations
                 where record_owed and lease_until < now()
-                order by lease_until limit $3
+                order by lease_until limit $2
                 for update skip locked
             ) owed
             where g.id = owed.id

@@ -425,14 +425,15 @@ class SQLiteStore:
 
         return await self._run(self._write, interrupt)
 
-    async def claim_owed(self, owner: str, lease: float, limit: int) -> list[str]:
+    async def claim_owed(self, lease: float, limit: int) -> list[str]:
         def claim(db: sqlite3.Connection) -> list[str]:
+            # Held, not owned: see the PostgreSQL store's statement.
             rows = db.execute(
-                f"update asgi_disconnect_generations set owner = ?, lease_until = {_NOW} + ? "
+                f"update asgi_disconnect_generations set lease_until = {_NOW} + ? "
                 "where id in (select id from asgi_disconnect_generations "
                 f"where record_owed and lease_until < {_NOW} order by lease_until limit ?) "
                 "returning id",
-                (owner, lease, limit),
+                (lease, limit),
             ).fetchall()
             return [row[0] for row in rows]
 

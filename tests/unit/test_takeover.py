@@ -350,11 +350,11 @@ async def test_a_cancelling_generation_whose_process_died_gets_its_record_from_t
     assert record.attempt == 1
 
 
-async def _died_owing_a_record(url: str, *, paid: bool) -> str:
+async def _died_owing_a_record(url: str, *, paid: bool, lease: float = 0.3) -> str:
     """A process that ended its generation whole, its usage record still owed (waiting on
     its client's TCP), flushed that, and died: the text it stored. ``paid``: it wrote the
-    record just before dying."""
-    owner = connect(url, flush_interval=0.02, lease=0.3)
+    record just before dying. ``lease``: how long its mark outlives it."""
+    owner = connect(url, flush_interval=0.02, lease=lease)
     assert isinstance(owner, DurableBackend)
     await owner.open()
     text = "".join(f"tok{i} " for i in range(24))
