@@ -18,6 +18,7 @@ from asgi_disconnect import DisconnectMiddleware, UsageRecord, connect
 from asgi_disconnect._backends import DurableBackend
 from asgi_disconnect._continuation import encode, recorded
 from asgi_disconnect._log import Generation, Status
+from asgi_disconnect._records import Adopted
 from asgi_disconnect.testing import FakeProvider
 from asgi_disconnect.testing._driver import lifespan
 from tests.unit.test_backends import usage_record
@@ -446,3 +447,40 @@ async def test_a_record_written_before_its_process_died_is_not_written_again(
         stored = await backend.usage_of(GID)
     assert records == []
     assert [r.usage_source for r in stored] == ["provider"]
+
+
+async def test_a_sweep_that_could_not_make_the_record_leaves_the_mark_to_the_next_one(
+    sql_url: str,
+) -> None:
+    """The sweep that claimed the mark cannot read the generation to make its record (one
+    read fails). Its claim holds the mark for a lease its heartbeat does not renew: a later
+    sweep takes it again and writes the record, once."""
+    url = sql_url
+    text = await _died_owing_a_record(url, paid=False)
+    records: list[UsageRecord] = []
+    backend = connect(url, flush_interval=0.02, lease=0.3, sweep_interval=0.05)
+    assert isinstance(backend, DurableBackend)
+    sweeper = DisconnectMiddleware(
+        Starlette(), backend=backend, takeover_sinks=[records.append, backend.record_usage]
+    )
+    lost = backend.store.lost
+    failed: list[list[str]] = []
+
+    async def lost_once(ids: list[str]) -> list[Adopted]:
+        if not failed:
+            failed.append(list(ids))
+            raise OSError("the read failed")
+        return await lost(ids)
+
+    backend.store.lost = lost_once  # type: ignore[method-assign]
+    async with lifespan(sweeper):
+        async with asyncio.timeout(10):
+            while not records:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.8)  # more sweeps, more leases lapsed: none writes it again
+        stored = await backend.usage_of(GID)
+    assert failed == [[GID]]
+    (record,) = records
+    assert stored == [record]
+    assert record.usage_source == "estimated"
+    assert record.output_tokens == round(len(text) / 4)
