@@ -426,6 +426,7 @@ class RequestState:
         "ending",
         "generation",
         "handled",
+        "hears_outside",
         "idempotency",
         "log_store",
         "marks",
@@ -436,6 +437,7 @@ class RequestState:
         "request_body",
         "request_model",
         "response_status",
+        "server_hears",
         "stopped_by",
         "stream_ending",
         "upstream_usage",
@@ -480,6 +482,12 @@ class RequestState:
         self.response_status: int | None = None
         # (upstream name, encoded continuation): set by ``open_stream(continuation=...)``.
         self.continuation: tuple[str, bytes] | None = None
+        # A client cut for its silence is cut before its server hears of it: the request
+        # returns once the server has (``server_hears``, set by DisconnectMiddleware). An
+        # outer layer that settles something as the request returns (idempotency) says it
+        # waits after that (``hears_outside``); else DisconnectMiddleware waits itself.
+        self.hears_outside = False
+        self.server_hears: Callable[[], Awaitable[None]] | None = None
 
     def continue_with(self, continuation: tuple[str, bytes]) -> None:
         """Record how another replica would continue this request's generation: kept here

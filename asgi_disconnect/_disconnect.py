@@ -14,6 +14,7 @@ in one place, ``Outcome.app_ended`` (``_outcome.py``), whichever task ran the ap
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import math
@@ -276,6 +277,15 @@ class DisconnectMiddleware:
                 await exchange.run_inline()
             else:
                 await exchange.run_supervised()
+            transport = self.transport
+            if state.disconnect_reason == "silent" and transport is not None:
+                # Cut by its TCP's silence, which the server hears of from its kernel a
+                # moment later: return once it has, not as if abandoning a live response.
+                hears = functools.partial(exchange.reader.until_heard, transport.kernel_behind)
+                if state.hears_outside:
+                    state.server_hears = hears
+                else:
+                    await hears()
         elif scope_type == "lifespan":
             lifecycle, owner = lifecycle_of(scope)
             self.lifecycle = lifecycle

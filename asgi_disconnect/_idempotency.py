@@ -738,6 +738,9 @@ class _ClaimedRequest:
 
         token = _key_state.set("claimed")
         failure: BaseException | None = None
+        state = self.scope.get(SCOPE_KEY)
+        if isinstance(state, RequestState):
+            state.hears_outside = True  # the claim settles first (see the end)
         try:
             await middleware.app(self.scope, receive, tee)
         except IdempotencyKeyRequired:
@@ -775,6 +778,11 @@ class _ClaimedRequest:
                 await shielded(
                     middleware.pending_settles.settle(self.ending(None, incomplete, ttl))
                 )
+        # A client cut for its silence: the claim is settled (a retry finds it so), and the
+        # request returns once the server heard of the cut.
+        if isinstance(state, RequestState) and state.server_hears is not None:
+            hears, state.server_hears = state.server_hears, None
+            await hears()
 
     async def record(self, message: Message) -> None:
         """Keep what the app sends; at the response's end, settle the claim before the

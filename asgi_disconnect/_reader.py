@@ -60,6 +60,7 @@ class RequestReader:
         "body_read",
         "error",
         "gate",
+        "heard",
         "inbox",
         "inbox_waiter",
         "owner",
@@ -75,6 +76,7 @@ class RequestReader:
         self.inbox_waiter: asyncio.Future[None] | None = None
         self.taken_waiter: asyncio.Future[None] | None = None
         self.body_read = False  # the body's last part came
+        self.heard = False  # the server said the client disconnected
         # What the server's receive raised (a body limit outside): the app's receive raises it.
         self.error: Exception | None = None
         # Resolved when the app first asks for a message or starts its response; the watch
@@ -141,6 +143,7 @@ class RequestReader:
                     self.taken_waiter = asyncio.get_running_loop().create_future()
                     await self.taken_waiter
             elif kind == "http.disconnect":
+                self.heard = True
                 self.owner.disconnected()
                 return
 
@@ -168,6 +171,30 @@ class RequestReader:
             # Under detach the app never hears of the disconnect: it would stop itself.
             waiter = self.inbox_waiter = asyncio.get_running_loop().create_future()
             await waiter
+
+    async def until_heard(self, seconds: float) -> None:
+        """Read until the server says the client disconnected, at most ``seconds``.
+
+        A client found silent is cut before its server knows: the kernel ends the connection
+        a moment later (the listener's ``TCP_USER_TIMEOUT`` is ``client_timeout``), and a
+        server whose app returned mid-response meanwhile logs an error for a response it
+        thinks abandoned (uvicorn: "ASGI callable returned without completing response").
+        The request's work is stopped or detached already; only its return waits."""
+        if self.heard:
+            return
+        receive = self.receive
+        try:
+            async with asyncio.timeout(seconds):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return  # http.disconnect: heard
+                    if self.body_read:
+                        return  # an answer at once that tells nothing of the client
+                    if not message.get("more_body", False):
+                        self.body_read = True
+        except Exception:  # the timeout, or a server whose receive refuses now
+            return
 
     def release(self) -> None:
         """Wake an app that waits for its body: it was cancelled."""

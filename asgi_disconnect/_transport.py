@@ -197,10 +197,18 @@ def tune_listeners(client_timeout: float) -> set[int]:
     probes, for the connections it accepts from now on; the ports it listens on.
 
     A listener that already carries a user timeout (the operator's) is left as it is.
+
+    With a user timeout the kernel ends an idle connection at the first probe tick at which
+    nothing came from the peer for that long and a probe is unanswered. Probes begin after a
+    fifth of ``client_timeout`` and repeat every tenth: a dead peer is ended at about
+    ``client_timeout``, and a live one answers in time though its link buffers seconds or
+    drops for a while (idle ``client_timeout`` with a quarter's interval left one interval
+    for the only probe's answer: a phone behind a deep queue, waiting on a long first
+    token, was cut).
     """
     timeout_ms = int(client_timeout * 1000)
-    idle = max(1, int(client_timeout))
-    interval = max(1, int(client_timeout / 4))
+    idle = max(1, int(client_timeout / 5))
+    interval = max(1, int(client_timeout / 10))
     ports: set[int] = set()
     for sock in listening_sockets():
         try:
@@ -379,6 +387,7 @@ class TransportMonitor:
         "_timer",
         "client_timeout",
         "interval",
+        "kernel_behind",
         "watches",
     )
 
@@ -387,6 +396,11 @@ class TransportMonitor:
     def __init__(self, client_timeout: float) -> None:
         self.client_timeout = client_timeout
         self.interval = min(1.0, client_timeout / 4)
+        # A client found dead here is a moment ahead of its kernel, which ends the
+        # connection by TCP_USER_TIMEOUT (client_timeout, counted from the transmission the
+        # peer left unacknowledged: at most about a sample later): how long its server may
+        # take to hear of it.
+        self.kernel_behind = 2 * self.interval + 1.0
         self.watches: dict[ConnectionWatch, None] = {}
         self._diag: SockDiag | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

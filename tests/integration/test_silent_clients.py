@@ -14,6 +14,7 @@ import contextlib
 import errno
 import json
 import logging
+import socket
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from asgi_disconnect import connect, estimate_tokens
+from asgi_disconnect._transport import listening_sockets
 from asgi_disconnect.sse import SSEDecoder
 from tests.apps import eventually
 
@@ -35,22 +37,49 @@ from .silent_app import (
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
+TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
+
 SERVERS = ["uvicorn", "hypercorn", "granian"]
+
+
+class _Lines(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "without completing response" in message:
+            self.lines.append(message)
+
+
+@contextlib.contextmanager
+def unfinished_responses() -> Iterator[list[str]]:
+    """uvicorn's ERROR lines for an app that returned mid-response to a client it thinks
+    connected, while the block runs. Entered once the server started: uvicorn's logging
+    set-up replaces the handlers of its loggers (a handler added before hears nothing)."""
+    lines: list[str] = []
+    handler = _Lines(lines)
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
 
 
 @pytest.mark.parametrize("server", SERVERS)
 async def test_a_vanished_client_is_cancelled_and_billed_for_what_it_received(
-    server: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    server: str, tmp_path: Path
 ) -> None:
     """cancel: the upstream closes within client_timeout + 5 s of the vanish; the record
     says what the client's TCP acknowledged, within one event of what it received; the
     server learns the connection is dead before the app returns, so it logs no error."""
     timeout = 4.0
-    uvicorn_log = logging.getLogger("uvicorn.error")  # its own handler: not propagated
-    uvicorn_log.addHandler(caplog.handler)
     with (
         hypercorn_s_shutdown_errors(server),
         served(server, tmp_path, client_timeout=timeout) as setup,
+        unfinished_responses() as unfinished,
     ):
         cable, provider, records = setup.cable, setup.provider, setup.records
         headers, body = body_json(tokens=400, rate=20)
@@ -90,10 +119,50 @@ async def test_a_vanished_client_is_cancelled_and_billed_for_what_it_received(
     got = estimate_tokens(text)  # counted as the record counts them
     assert abs(delivered_tokens - got) <= 2, (delivered_tokens, got)
     reader.close()
-    uvicorn_log.removeHandler(caplog.handler)
-    # uvicorn logs an ERROR for an app that returns mid-response to a client it thinks alive.
-    unfinished = [r for r in caplog.records if "without completing response" in r.getMessage()]
-    assert not unfinished, [r.getMessage() for r in unfinished]
+    assert not unfinished
+
+
+async def test_a_client_cut_for_its_silence_returns_once_the_server_heard_of_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The silence rule finds the client dead at client_timeout from its last
+    acknowledgement; its kernel ends the connection later (here the operator gave the
+    listener a user timeout 2 s longer). The upstream is closed at once; the request
+    returns once the server heard of the disconnect, so uvicorn does not log the response
+    as abandoned by the app."""
+    timeout = 4.0
+    with (
+        served("uvicorn", tmp_path, client_timeout=timeout) as setup,
+        unfinished_responses() as unfinished,
+    ):
+        cable, provider, records = setup.cable, setup.provider, setup.records
+        # Set after the package's own tuning, for the connections accepted from now on.
+        for listener in listening_sockets():
+            if listener.getsockname()[1] == setup.port:
+                listener.setsockopt(
+                    socket.IPPROTO_TCP, TCP_USER_TIMEOUT, int(timeout * 1000) + 2000
+                )
+            listener.detach()
+        headers, body = body_json(tokens=400, rate=20)
+        reader = await setup.open("/v1/chat/completions", headers, body)
+        await reader.wait_bytes(1, 10)
+        await asyncio.sleep(1.0)
+        cable.cut()
+        vanished = time.monotonic()
+        (call,) = provider.requests
+        assert await call.await_closed(timeout + 5), "the upstream was not closed"
+        assert call.closed_at is not None
+        # By the package's rule, not the kernel's later end of the connection.
+        assert call.closed_at - vanished < timeout + 2.5, call.closed_at - vanished
+        await eventually(lambda: records, timeout + 10, "a usage record")
+        await asyncio.sleep(timeout)  # the kernel has ended the connection; the app returned
+        reader.stop()
+        reader.close()
+    (record,) = records
+    assert record.outcome == "cancelled"
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "asgi_disconnect.requests"]
+    assert "disconnect=silent" in line, line  # cut by the package's rule
+    assert not unfinished
 
 
 @pytest.mark.parametrize("server", SERVERS)
@@ -153,16 +222,17 @@ async def test_a_vanished_client_of_detached_work_comes_back_for_exactly_the_res
 
 @pytest.mark.parametrize("route", ["/v1/reports", "/v1/chat/completions"])
 async def test_an_answer_that_completed_while_its_client_was_silent_is_replayed_to_its_retry(
-    route: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    route: str, tmp_path: Path
 ) -> None:
     """The answer ends while its phone is silent and the writer still owes it bytes (more
     than the socket's buffers hold); the client is cut at client_timeout; it comes back
     with the same Idempotency-Key and gets the stored answer. The upstream ran once, and
     the server heard of the cut before the app returned (it logs no unfinished response)."""
     timeout = 3.0
-    uvicorn_log = logging.getLogger("uvicorn.error")  # its own handler: not propagated
-    uvicorn_log.addHandler(caplog.handler)
-    with served("uvicorn", tmp_path, client_timeout=timeout) as setup:
+    with (
+        served("uvicorn", tmp_path, client_timeout=timeout) as setup,
+        unfinished_responses() as unfinished,
+    ):
         cable, provider, records = setup.cable, setup.provider, setup.records
         headers, body = body_json(tokens=2000, rate=2000)
         headers["idempotency-key"] = "silent-then-retry"
@@ -184,14 +254,12 @@ async def test_an_answer_that_completed_while_its_client_was_silent_is_replayed_
         cable.restore()
         again = await setup.open(route, headers, body)
         await again.wait_done(20)
-        assert again.status == 200
+        assert again.status == 200, (again.status, bytes(again.body)[:300])
         assert again.headers.get("idempotent-replayed") == "true", again.headers
         assert again.body.endswith(b"data: [DONE]\n\n")
         again.close()
-    uvicorn_log.removeHandler(caplog.handler)
     assert len(provider.requests) == 1, "the retry ran the upstream again"
-    unfinished = [r for r in caplog.records if "without completing response" in r.getMessage()]
-    assert not unfinished, [r.getMessage() for r in unfinished]
+    assert not unfinished
 
 
 @pytest.mark.parametrize("server", SERVERS)
@@ -242,6 +310,33 @@ async def test_a_link_that_drops_as_a_long_first_token_arrives_is_not_cut(
         cable.restore()
         await reader.wait_done(30)
         assert reader.complete
+        await eventually(lambda: records, 10, "a usage record")
+        reader.close()
+    (record,) = records
+    assert record.outcome == "complete"
+    assert record.delivered_bytes == record.produced_bytes == len(reader.body)
+
+
+async def test_a_link_that_drops_during_a_long_silent_first_token_is_not_cut(
+    tmp_path: Path,
+) -> None:
+    """Nothing owed for longer than client_timeout (no keep-alive comments): the kernel's
+    keep-alive probes keep asking; the link drops for 2 s (less than client_timeout) around
+    the time a probe at client_timeout's idle would have gone, and only that one would have
+    been answered too late. Probes from a fifth of the timeout on were answered before the
+    drop and after it: the client reads its answer to the end."""
+    timeout, first_token = 4.0, 9.0
+    with served("uvicorn", tmp_path, client_timeout=timeout, keep_alive=None) as setup:
+        cable, provider, records = setup.cable, setup.provider, setup.records
+        headers, body = body_json(tokens=40, rate=40, first_token_delay=first_token)
+        reader = await setup.open("/v1/chat/completions", headers, body)
+        await eventually(lambda: provider.requests, 10, "the upstream call")
+        await asyncio.sleep(timeout - 0.4)
+        cable.cut()
+        await asyncio.sleep(2.0)
+        cable.restore()
+        await reader.wait_done(30)
+        assert reader.complete, "the client was cut"
         await eventually(lambda: records, 10, "a usage record")
         reader.close()
     (record,) = records

@@ -183,6 +183,10 @@ def test_listeners_get_the_user_timeout_and_accepted_sockets_inherit_it() -> Non
         assert listener.getsockname()[1] in ports
         assert listener.getsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT) == 7000
         assert listener.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        # Probes from a fifth of the timeout on, every tenth: a live peer's answer has time
+        # to come back, a dead one is ended at about the timeout.
+        assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 1
+        assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 1
         assert operators.getsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT) == 2500
         with socket.create_connection(listener.getsockname()):
             accepted, _ = listener.accept()
