@@ -417,6 +417,12 @@ class DurableBackend:
                     rows += written
                 self._window.observe(loop.time() - started, rows)
                 self.output.written()
+                if self._failures:
+                    # Back after the store failed (a database restart): every live owner's
+                    # lease may have lapsed while nobody could renew it. Take nothing as
+                    # lost until each has had its retry (a second at most) and a heartbeat.
+                    back = started + self.lease + 1.0
+                    next_takeover, next_sweep = max(next_takeover, back), max(next_sweep, back)
                 if started >= next_cancel:
                     if self._pending and self.on_cancel is not None:
                         for generation_id in await self.store.cancel_requests(self.owner):

@@ -484,3 +484,68 @@ async def test_a_sweep_that_could_not_make_the_record_leaves_the_mark_to_the_nex
     assert stored == [record]
     assert record.usage_source == "estimated"
     assert record.output_tokens == round(len(text) / 4)
+
+
+class _Outage:
+    """A store whose every call fails while ``down`` (the database is unreachable)."""
+
+    def __init__(self, store: object) -> None:
+        self.store = store
+        self.down = False
+
+    def __getattr__(self, name: str) -> object:
+        value = getattr(self.store, name)
+        if not callable(value) or name in ("open", "aclose"):
+            return value
+
+        async def call(*args: object, **kwargs: object) -> object:
+            if self.down:
+                raise OSError("the database is unreachable")
+            return await value(*args, **kwargs)
+
+        return call
+
+
+async def test_after_an_outage_nothing_is_swept_before_live_owners_could_renew(
+    sql_url: str,
+) -> None:
+    """The store is unreachable for longer than the lease, for the owner a little longer
+    than for another replica (it retries later). When the store is back, the live owner's
+    mark has lapsed; the replica back first waits a lease and a retry before it sweeps, so
+    the owner renews it, and writes its own record: the only one."""
+    url = sql_url
+    owner = connect(url, flush_interval=0.02, lease=0.3)
+    assert isinstance(owner, DurableBackend)
+    records: list[UsageRecord] = []
+    backend = connect(url, flush_interval=0.02, lease=0.3, sweep_interval=0.05)
+    assert isinstance(backend, DurableBackend)
+    app = DisconnectMiddleware(
+        Starlette(), backend=backend, takeover_sinks=[records.append, backend.record_usage]
+    )
+    async with owner, lifespan(app):
+        generation = Generation(GID, principal="alice", content_type="text/event-stream")
+        generation.record_owed = True
+        owner.register(generation)
+        generation.append(b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n')
+        generation.append(b"data: [DONE]\n\n")
+        generation.finish(Status.COMPLETE)
+        await asyncio.sleep(0.3)  # stored, marked, renewed
+        owners, others = _Outage(owner.store), _Outage(backend.store)
+        owner.store, backend.store = owners, others  # type: ignore[assignment]
+        owners.down = others.down = True
+        await asyncio.sleep(0.6)  # twice the lease: the mark lapses
+        others.down = False
+        await asyncio.sleep(0.4)  # the other replica is back, and would sweep
+        owners.down = False
+        await asyncio.sleep(1.0)  # past its wait: its sweeps find the mark renewed
+        assert records == [], "a replica took a live owner's mark"
+        generation.record_owed = False  # as metering settles it, with the record
+        record = msgspec.structs.replace(usage_record(GID), usage_source="provider")
+        owner.record_usage(record)
+        async with asyncio.timeout(5):
+            while await owner.usage_of(GID) != [record]:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        stored = await backend.usage_of(GID)
+    assert records == []
+    assert stored == [record]
