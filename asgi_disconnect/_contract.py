@@ -566,8 +566,9 @@ class RequestState:
         outcome = self.outcome = self._outcome(ending)
         generation = self.generation
         # No reference cycle outlives the request (the garbage collector would have to find
-        # it): the generation's reader, DisconnectMiddleware's send, metering's observer.
-        self.app_send = self.message_hook = None
+        # it): the generation's reader, DisconnectMiddleware's send, metering's observer and
+        # its stream's ending.
+        self.app_send = self.message_hook = self.stream_ending = None
         if generation is not None:
             generation.reader = None  # its client reads no more
         for callback in callbacks:

@@ -834,20 +834,22 @@ class _Exchange:
         # The client is watched from the app's first turn of the event loop on: an app that
         # never waits needs no watcher.
         watch = asyncio.get_running_loop().call_soon(self.reader.start_watch)
-        failure: BaseException | None = None
+        # Whether the app raised; not the exception, which this frame would keep in a
+        # reference cycle with its own traceback.
+        failed = False
         try:
             try:
                 await self.mw.app(self.scope, self.reader.take, send)
             finally:
                 watch.cancel()
         except asyncio.CancelledError as exc:
-            failure = exc
+            failed = True
             ours = self._cancelled_by_us()  # before app_ended, which reads whose it was
             self.outcome.app_ended(exc)
             if not ours:
                 raise
         except BaseException as exc:
-            failure = exc
+            failed = True
             self.outcome.app_ended(exc)
             if not await self.outcome.answer_failure(exc):
                 raise
@@ -857,7 +859,7 @@ class _Exchange:
             writer = self.out.writer
             await self._end_inline(writer)
         refused = writer.error if writer is not None else None
-        if refused is not None and (failure is None or self.outcome.cancelled_by_policy):
+        if refused is not None and (not failed or self.outcome.cancelled_by_policy):
             raise refused
 
     def _cancelled_by_us(self) -> bool:

@@ -9,7 +9,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import msgspec
 
@@ -236,11 +236,11 @@ class MeteringMiddleware:
                 tee.observe(message)
                 await send(message)
 
-        failure: BaseException | None = None
+        failure: _Failure | None = None
         try:
             await self.app(scope, receive, app_send)
         except BaseException as exc:
-            failure = exc
+            failure = _Failure.of(exc)
             raise
         finally:
             tee.failure = failure
@@ -435,6 +435,25 @@ class _Emitter:
             await asyncio.wait({task}, timeout=timeout)
 
 
+class _Failure(NamedTuple):
+    """What metering keeps of the exception the app raised: not the exception, whose
+    traceback's frames refer back to the request's objects (a reference cycle that would
+    wait for the cyclic garbage collector)."""
+
+    name: str
+    cancelled: bool
+    error_type: str | None
+
+    @classmethod
+    def of(cls, exc: BaseException) -> _Failure:
+        error_type = getattr(exc, "error_type", None)
+        return cls(
+            type(exc).__name__,
+            isinstance(exc, asyncio.CancelledError),
+            error_type if isinstance(error_type, str) else None,
+        )
+
+
 class _Tee:
     """One request's metering: every body byte the app produces, seen synchronously, and
     when the exchange is over its usage record, made and emitted."""
@@ -488,7 +507,7 @@ class _Tee:
         self.status_code: int | None = None
         self.produced = 0
         self.first_event: float | None = None
-        self.failure: BaseException | None = None
+        self.failure: _Failure | None = None
         # Seeing each message of the app right where DisconnectMiddleware logs it: an event
         # stream may then be left to its log after its first events.
         self.direct = False
@@ -721,7 +740,7 @@ class _Tee:
         failure = self.failure
         return self._usage_record(
             self._failed_outcome() or "unknown",
-            type(failure).__name__ if failure is not None else None,
+            failure.name if failure is not None else None,
             min(self.delivered, self.produced),
             provider=self.provider,
         )
@@ -790,12 +809,8 @@ class _Tee:
             else:
                 outcome = "truncated"
         error_type = report.error_type
-        if (
-            error_type is None
-            and failure is not None
-            and not isinstance(failure, asyncio.CancelledError)
-        ):
-            error_type = getattr(failure, "error_type", None) or type(failure).__name__
+        if error_type is None and failure is not None and not failure.cancelled:
+            error_type = failure.error_type or failure.name
         return outcome, error_type
 
     def _failed_outcome(self) -> str | None:
@@ -803,14 +818,14 @@ class _Tee:
         failure = self.failure
         if failure is None:
             return "error" if (self.status_code or 0) >= 400 else None
-        if isinstance(failure, asyncio.CancelledError):
+        if failure.cancelled:
             # The exchange's ending says which, a Stop included (``stopped_by`` says why);
             # cancelled from outside, or no DisconnectMiddleware to tell: interrupted.
             ended = self.outcome
             if ended is None or ended.ending is _ENDING_INTERRUPTED or ended.ending is None:
                 return "interrupted"
             return "cancelled"
-        if getattr(failure, "error_type", None) == "truncated_stream":
+        if failure.error_type == "truncated_stream":
             return "truncated"  # asgi_disconnect.upstream.TruncatedStream
         return "error"
 
