@@ -750,7 +750,6 @@ class _ClaimedRequest:
             raise
         finally:
             _key_state.reset(token)
-            state = self.scope.get("asgi_disconnect")
             ttl = self.route_ttl()
             detached = isinstance(state, RequestState) and state.progress().detached
             if self.settled:
@@ -781,8 +780,7 @@ class _ClaimedRequest:
         # A client cut for its silence: the claim is settled (a retry finds it so), and the
         # request returns once the server heard of the cut.
         if isinstance(state, RequestState) and state.server_hears is not None:
-            hears, state.server_hears = state.server_hears, None
-            await hears()
+            await state.server_hears()
 
     async def record(self, message: Message) -> None:
         """Keep what the app sends; at the response's end, settle the claim before the

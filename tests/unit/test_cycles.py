@@ -5,19 +5,24 @@ cycles hold a burst's memory long after it (the soak saw 200,000 blocks so held)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 import time
 import types
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from asgi_disconnect import UsageRecord, install
 from asgi_disconnect.testing import FakeProvider, drive, lifespan, run_server
+from asgi_disconnect.upstream import open_stream, track_response
 from benchmarks.retained import chat, report
 
 pytestmark = pytest.mark.anyio
@@ -41,23 +46,32 @@ async def test_a_request_leaves_no_cycle_of_the_packages_objects(
                 headers=[("authorization", "Bearer a"), ("idempotency-key", f"w{i}")],
             )  # fmt: skip
         await asyncio.sleep(0.3)
-        gc.collect()
-        gc.disable()
-        try:
+        with _cycles() as ours:
             for i in range(5):
                 await drive(
                     app, method="POST", path=path, body=b"{}", disconnect_after_bytes=leave,
                     headers=[("authorization", "Bearer a"), ("idempotency-key", f"k{i}")],
                 )  # fmt: skip
             await asyncio.sleep(0.3)  # detached work ends, its record and claim settle
-            gc.set_debug(gc.DEBUG_SAVEALL)
-            gc.collect()
-            ours = _in_cycles(gc.garbage)
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
     assert ours == []
+
+
+@contextlib.contextmanager
+def _cycles() -> Iterator[list[str]]:
+    """With the cyclic collector off, run the block; then what of the package it left on
+    reference cycles (``_in_cycles``)."""
+    gc.collect()
+    gc.disable()
+    found: list[str] = []
+    try:
+        yield found
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        found.extend(_in_cycles(gc.garbage))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
 
 
 def _ours(o: object) -> bool:
@@ -97,14 +111,6 @@ def _in_cycles(garbage: list[object]) -> list[str]:
 
 def _relay_app(upstream: str, records: list[UsageRecord], db: Path) -> Starlette:
     """The quickstart's relay: an httpx client, open_stream, a StreamingResponse."""
-    import contextlib
-
-    import httpx
-    from starlette.requests import Request
-    from starlette.responses import StreamingResponse
-
-    from asgi_disconnect.upstream import open_stream, track_response
-
     clients: list[httpx.AsyncClient] = []
 
     @contextlib.asynccontextmanager
@@ -165,19 +171,10 @@ def test_a_relayed_stream_under_a_real_server_leaves_no_cycle_of_the_packages_ob
             for i in range(3):  # warm: the route is learned (cancel-only: inline)
                 _ask(server.port, f"w{i}", leave_after=None)
             time.sleep(0.5)
-            gc.collect()
-            gc.disable()
-            try:
+            with _cycles() as ours:
                 for i in range(5):
                     _ask(server.port, f"k{i}", leave_after=leave)
                 time.sleep(1.0)  # each request ends, its record is made
-                gc.set_debug(gc.DEBUG_SAVEALL)
-                gc.collect()
-                ours = _in_cycles(gc.garbage)
-            finally:
-                gc.set_debug(0)
-                gc.garbage.clear()
-                gc.enable()
     assert ours == []
     ended = [r.outcome for r in records[3:]]
     assert ended == ["complete" if leave is None else "cancelled"] * 5, ended
